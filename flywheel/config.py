@@ -1,0 +1,122 @@
+"""Settings: one object, built once at the edge (CLI `main()` / app factories), passed down.
+
+Environment variables use the `FLYWHEEL_` prefix and `__` for nesting, e.g.
+`FLYWHEEL_KAFKA__BOOTSTRAP=broker:9092`, `FLYWHEEL_DB__URL=postgresql+asyncpg://…`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Scope = Literal["publish", "operate"]
+
+
+class KafkaSettings(BaseModel):
+    bootstrap: str | None = None
+    """`host:port[,host:port]` of an external Kafka cluster; unset = the bundled local broker."""
+    topic_prefix: str = "flywheel"
+    """Prefix of every topic name (`<prefix>.trajectories`, …)."""
+    partitions: int = 3
+    """Partitions of topics that Flywheel creates (existing topics are left alone)."""
+    replication_factor: int = 1
+    """Replication factor of topics that Flywheel creates."""
+    session_timeout_ms: int = 10_000
+    """Consumer-group session timeout; a dead consumer's partitions move after this long."""
+    heartbeat_interval_ms: int = 3_000
+    """Consumer heartbeat interval (well under the session timeout)."""
+    local_port: int = 9092
+    """Port of the bundled broker when `bootstrap` is unset."""
+
+
+class DbSettings(BaseModel):
+    url: str | None = None
+    """SQLAlchemy DSN (`postgresql+asyncpg://…`) of an external Postgres; unset = local server."""
+    local_port: int = 5433
+    """Port of the local Postgres server when `url` is unset."""
+    pool_size: int = 5
+    """Connections kept per process."""
+
+
+class IngestSettings(BaseModel):
+    group_id: str = "flywheel-ingest"
+    """Consumer group of the ingest consumer (scale out by starting more members)."""
+    max_payload_bytes: int = 1_048_576
+    """Messages larger than this go to the DLQ with reason `too_large`."""
+    batch_max_records: int = 1_000
+    """Most messages written to Postgres in one transaction."""
+    batch_timeout_ms: int = 200
+    """Longest wait to fill a batch before writing what arrived."""
+
+
+class RelaySettings(BaseModel):
+    poll_interval_s: float = 0.2
+    """Pause between outbox polls when the previous poll found nothing."""
+    batch_size: int = 500
+    """Outbox rows published per round."""
+
+
+class ApiSettings(BaseModel):
+    host: str = "127.0.0.1"
+    """Address the HTTP API binds to."""
+    port: int = 8765
+    """Port of the HTTP API."""
+    tokens: dict[str, list[Scope]] = Field(default_factory=dict)
+    """Bearer token → scopes. JSON in the environment: `FLYWHEEL_API__TOKENS='{"t1": ["publish"]}'`.
+    Empty = `flywheel up` generates a `publish` and an `operate` token into `.flywheel/run.json`."""
+    max_request_bytes: int = 16 * 1_048_576
+    """Largest request body; one trajectory is also bounded by `ingest.max_payload_bytes`."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="FLYWHEEL_", env_nested_delimiter="__", extra="ignore"
+    )
+
+    home: Path = Path(".flywheel")
+    """Local state: Postgres data, logs, run.json, SDK spool."""
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    db: DbSettings = Field(default_factory=DbSettings)
+    ingest: IngestSettings = Field(default_factory=IngestSettings)
+    relay: RelaySettings = Field(default_factory=RelaySettings)
+    api: ApiSettings = Field(default_factory=ApiSettings)
+
+    @property
+    def topics(self) -> Topics:
+        return Topics.for_prefix(self.kafka.topic_prefix)
+
+
+class Topics(BaseModel, frozen=True):
+    """Topic names by role. Kafka key of every message = the aggregate id."""
+
+    trajectories: str
+    trajectories_dlq: str
+    ingest: str
+
+    @classmethod
+    def for_prefix(cls, prefix: str) -> Topics:
+        return cls(
+            trajectories=f"{prefix}.trajectories",
+            trajectories_dlq=f"{prefix}.trajectories.dlq",
+            ingest=f"{prefix}.ingest",
+        )
+
+    def all(self) -> list[str]:
+        return [self.trajectories, self.trajectories_dlq, self.ingest]
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """Environment variables that rebuild `settings` in a child process."""
+    import json
+
+    env: dict[str, str] = {"FLYWHEEL_HOME": str(settings.home.resolve())}
+    for section in ("kafka", "db", "ingest", "relay", "api"):
+        for key, value in getattr(settings, section).model_dump(mode="json").items():
+            if value is None:
+                continue
+            name = f"FLYWHEEL_{section.upper()}__{key.upper()}"
+            env[name] = json.dumps(value) if isinstance(value, dict | list) else str(value)
+    return env

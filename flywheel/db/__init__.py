@@ -1,0 +1,1 @@
+"""Postgres: tables (models), engine/session factory, repositories."""

@@ -1,0 +1,119 @@
+"""Tables. The Alembic migrations in `migrations/` must match these exactly (a test checks)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class TrajectoryRow(Base):
+    __tablename__ = "trajectories"
+
+    trajectory_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    agent: Mapped[str] = mapped_column(Text)
+    session_id: Mapped[str | None] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(Text)
+    is_failure: Mapped[bool] = mapped_column(Boolean)
+    model: Mapped[str | None] = mapped_column(Text)
+    adapter_version: Mapped[str | None] = mapped_column(Text)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    ingested_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now()
+    )
+    source_topic: Mapped[str | None] = mapped_column(Text)
+    source_partition: Mapped[int | None] = mapped_column(Integer)
+    source_offset: Mapped[int | None] = mapped_column(BigInteger)
+    record: Mapped[dict[str, Any]] = mapped_column(JSONB)
+
+    __table_args__ = (
+        Index("ix_trajectories_agent_session", "agent", "session_id"),
+        Index("ix_trajectories_failures", "ingested_at", postgresql_where=text("is_failure")),
+    )
+
+
+class EventRow(Base):
+    """Append-only log of every domain event (projections are rebuilt from it)."""
+
+    __tablename__ = "events"
+
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    event_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), unique=True)
+    type: Mapped[str] = mapped_column(Text)
+    aggregate_id: Mapped[str] = mapped_column(Text)
+    occurred_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    schema_version: Mapped[int] = mapped_column(Integer)
+    payload: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    recorded_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now()
+    )
+
+    __table_args__ = (Index("ix_events_type_seq", "type", "seq"),)
+
+
+class OutboxRow(Base):
+    """Messages to publish, written in the domain transaction; the relay publishes them."""
+
+    __tablename__ = "outbox"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    event_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), unique=True)
+    topic: Mapped[str] = mapped_column(Text)
+    key: Mapped[str] = mapped_column(Text)
+    value: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now()
+    )
+    published_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        Index("ix_outbox_pending", "id", postgresql_where=text("published_at IS NULL")),
+    )
+
+
+class DeadLetterRow(Base):
+    __tablename__ = "dead_letters"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    topic: Mapped[str] = mapped_column(Text)
+    partition: Mapped[int] = mapped_column(Integer)
+    offset: Mapped[int] = mapped_column(BigInteger)
+    key: Mapped[bytes | None] = mapped_column(LargeBinary)
+    raw: Mapped[bytes] = mapped_column(LargeBinary)
+    reason: Mapped[str] = mapped_column(Text)
+    error: Mapped[str] = mapped_column(Text)
+    received_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now()
+    )
+
+    # One dead letter per source position: a re-delivered bad message is not counted twice.
+    __table_args__ = (UniqueConstraint("topic", "partition", "offset", name="uq_dead_letters_position"),)

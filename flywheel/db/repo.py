@@ -1,0 +1,132 @@
+"""Repositories: add and flush inside the caller's transaction, never commit."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from flywheel.events import Event
+from flywheel.ingest import Accepted, Rejected
+
+_INSERT_TRAJECTORIES = text("""
+INSERT INTO trajectories (trajectory_id, agent, session_id, status, is_failure, model,
+                          adapter_version, started_at, ended_at, source_topic,
+                          source_partition, source_offset, record)
+SELECT u.id, u.agent, u.session_id, u.status, u.is_failure, u.model, u.adapter_version,
+       u.started_at, u.ended_at, u.topic, u.part, u.off, u.record::jsonb
+FROM unnest(CAST(:ids AS uuid[]), CAST(:agents AS text[]), CAST(:sessions AS text[]),
+            CAST(:statuses AS text[]), CAST(:failures AS boolean[]), CAST(:models AS text[]),
+            CAST(:adapters AS text[]), CAST(:starts AS timestamptz[]),
+            CAST(:ends AS timestamptz[]), CAST(:topics AS text[]), CAST(:parts AS int[]),
+            CAST(:offs AS bigint[]), CAST(:records AS text[]))
+     AS u(id, agent, session_id, status, is_failure, model, adapter_version, started_at,
+          ended_at, topic, part, off, record)
+ON CONFLICT (trajectory_id) DO NOTHING
+RETURNING is_failure
+""")
+
+_INSERT_DEAD_LETTERS = text("""
+INSERT INTO dead_letters (topic, partition, "offset", key, raw, reason, error)
+SELECT * FROM unnest(CAST(:topics AS text[]), CAST(:parts AS int[]), CAST(:offs AS bigint[]),
+                     CAST(:keys AS bytea[]), CAST(:raws AS bytea[]), CAST(:reasons AS text[]),
+                     CAST(:errors AS text[]))
+ON CONFLICT ON CONSTRAINT uq_dead_letters_position DO NOTHING
+RETURNING topic, partition, "offset"
+""")
+
+_INSERT_EVENTS = text("""
+INSERT INTO events (event_id, type, aggregate_id, occurred_at, schema_version, payload)
+SELECT u.id, u.type, u.agg, u.at, u.version, u.payload::jsonb
+FROM unnest(CAST(:ids AS uuid[]), CAST(:types AS text[]), CAST(:aggs AS text[]),
+            CAST(:ats AS timestamptz[]), CAST(:versions AS int[]), CAST(:payloads AS text[]))
+     AS u(id, type, agg, at, version, payload)
+ON CONFLICT (event_id) DO NOTHING
+RETURNING event_id
+""")
+
+_INSERT_OUTBOX = text("""
+INSERT INTO outbox (event_id, topic, key, value)
+SELECT * FROM unnest(CAST(:ids AS uuid[]), CAST(:topics AS text[]), CAST(:keys AS text[]),
+                     CAST(:vals AS bytea[]))
+ON CONFLICT (event_id) DO NOTHING
+""")
+
+
+@dataclass(frozen=True)
+class TrajectoryWrite:
+    inserted: int
+    failures: int
+    duplicates: int
+
+
+async def insert_trajectories(conn: AsyncConnection, batch: Sequence[Accepted]) -> TrajectoryWrite:
+    """One statement for the whole batch; re-delivered ids are skipped (idempotent)."""
+    if not batch:
+        return TrajectoryWrite(0, 0, 0)
+    ts = [a.trajectory for a in batch]
+    result = await conn.execute(_INSERT_TRAJECTORIES, {
+        "ids": [t.trajectory_id for t in ts],
+        "agents": [t.agent for t in ts],
+        "sessions": [t.session_id for t in ts],
+        "statuses": [t.outcome.status for t in ts],
+        "failures": [t.is_failure for t in ts],
+        "models": [t.model for t in ts],
+        "adapters": [t.adapter_version for t in ts],
+        "starts": [t.started_at for t in ts],
+        "ends": [t.ended_at for t in ts],
+        "topics": [a.source.topic for a in batch],
+        "parts": [a.source.partition for a in batch],
+        "offs": [a.source.offset for a in batch],
+        "records": [t.model_dump_json(exclude_none=True) for t in ts],
+    })
+    flags = result.scalars().all()
+    return TrajectoryWrite(len(flags), sum(flags), len(batch) - len(flags))
+
+
+async def insert_dead_letters(
+    conn: AsyncConnection, rejected: Sequence[Rejected]
+) -> list[Rejected]:
+    """Returns the rejections that were new (a re-delivered bad message is stored once)."""
+    if not rejected:
+        return []
+    rows = await conn.execute(_INSERT_DEAD_LETTERS, {
+        "topics": [r.source.topic for r in rejected],
+        "parts": [r.source.partition for r in rejected],
+        "offs": [r.source.offset for r in rejected],
+        "keys": [r.source.key for r in rejected],
+        "raws": [r.source.value for r in rejected],
+        "reasons": [r.reason for r in rejected],
+        "errors": [r.error for r in rejected],
+    })
+    new = {(t, p, o) for t, p, o in rows.all()}
+    return [r for r in rejected if (r.source.topic, r.source.partition, r.source.offset) in new]
+
+
+async def append_events(conn: AsyncConnection, events: Sequence[tuple[Event, str]]) -> int:
+    """Append events and their outbox rows (topic per event) in the caller's transaction.
+
+    Idempotent on `event_id`: an event already recorded is neither appended nor re-queued.
+    """
+    if not events:
+        return 0
+    result = await conn.execute(_INSERT_EVENTS, {
+        "ids": [e.event_id for e, _ in events],
+        "types": [e.type for e, _ in events],
+        "aggs": [e.aggregate_id for e, _ in events],
+        "ats": [e.occurred_at for e, _ in events],
+        "versions": [e.schema_version for e, _ in events],
+        "payloads": [e.payload.model_dump_json() for e, _ in events],
+    })
+    new = set(result.scalars().all())
+    fresh = [(e, topic) for e, topic in events if e.event_id in new]
+    if fresh:
+        await conn.execute(_INSERT_OUTBOX, {
+            "ids": [e.event_id for e, _ in fresh],
+            "topics": [topic for _, topic in fresh],
+            "keys": [e.aggregate_id for e, _ in fresh],
+            "vals": [e.model_dump_json().encode() for e, _ in fresh],
+        })
+    return len(fresh)

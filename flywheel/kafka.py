@@ -1,0 +1,65 @@
+"""Kafka plumbing shared by services: topic creation and consumer-group lag.
+
+Lag is `highwater − committed` per partition. The highwater is read from a fetch response
+(seek to the committed offset, fetch one record), which every Kafka-protocol broker answers
+correctly; ListOffsets-based `end_offsets` is not used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+
+
+async def ensure_topics(bootstrap: str, topics: Iterable[str], *, partitions: int,
+                        replication_factor: int = 1) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        missing = [t for t in topics if t not in existing]
+        if missing:
+            try:
+                await admin.create_topics([NewTopic(t, partitions, replication_factor)
+                                           for t in missing])
+            except TopicAlreadyExistsError:
+                pass  # created concurrently by another process
+    finally:
+        await admin.close()
+
+
+async def group_lag(bootstrap: str, group_id: str, topic: str) -> dict[int, int]:
+    """Per-partition lag of `group_id` on `topic` (uncommitted partitions count from 0)."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group_id,
+                                enable_auto_commit=False)
+    await consumer.start()
+    try:
+        parts = consumer.partitions_for_topic(topic)
+        if not parts:
+            await consumer._client.force_metadata_update()
+            parts = consumer.partitions_for_topic(topic) or set()
+        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        if not tps:
+            return {}
+        committed = {tp: (await consumer.committed(tp)) or 0 for tp in tps}
+        consumer.assign(tps)
+        for tp in tps:
+            consumer.seek(tp, committed[tp])
+        highwater: dict[TopicPartition, int | None] = dict.fromkeys(tps)
+        deadline = asyncio.get_running_loop().time() + 5
+        while any(v is None for v in highwater.values()):
+            await consumer.getmany(*[tp for tp, v in highwater.items() if v is None],
+                                   timeout_ms=200, max_records=1)
+            for tp in tps:
+                if highwater[tp] is None:
+                    highwater[tp] = consumer.highwater(tp)
+            if asyncio.get_running_loop().time() > deadline:
+                break
+        return {tp.partition: max(0, (highwater[tp] or committed[tp]) - committed[tp])
+                for tp in tps}
+    finally:
+        await consumer.stop()

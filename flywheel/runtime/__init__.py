@@ -1,0 +1,1 @@
+"""Local runtime: the bundled broker, a local Postgres, the `up`/`down` supervisor."""

