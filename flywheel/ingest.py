@@ -39,6 +39,13 @@ class RawRecord:
 class Accepted:
     source: RawRecord
     trajectory: Trajectory
+    canonical: bool
+    """True when the payload validated as-is: it is stored verbatim (no re-serialization)."""
+
+    def record_json(self) -> str:
+        if self.canonical:
+            return self.source.value.decode()
+        return self.trajectory.model_dump_json(exclude_none=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,31 +67,36 @@ def describe_validation_error(err: ValidationError, limit: int = 5) -> str:
 
 def decode(value: bytes, *, max_bytes: int) -> Trajectory | tuple[Reason, str]:
     """One payload → a trajectory, or (reason, error) saying why it cannot be accepted."""
+    result, _ = _decode(value, max_bytes=max_bytes)
+    return result
+
+
+def _decode(value: bytes, *, max_bytes: int) -> tuple[Trajectory | tuple[Reason, str], bool]:
     if len(value) > max_bytes:
-        return "too_large", f"payload is {len(value)} bytes; the limit is {max_bytes}"
+        return ("too_large", f"payload is {len(value)} bytes; the limit is {max_bytes}"), False
     try:
-        return Trajectory.model_validate_json(value)
+        return Trajectory.model_validate_json(value), True
     except ValidationError:
         pass  # not canonical v1: chat format, missing id, unknown fields, or really invalid
     try:
         record = json.loads(value)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        return "not_json", f"not valid JSON: {err}"
+        return ("not_json", f"not valid JSON: {err}"), False
     try:
-        return parse_trajectory(record)
+        return parse_trajectory(record), False
     except ValidationError as err:
-        return "schema", describe_validation_error(err)
+        return ("schema", describe_validation_error(err)), False
     except ValueError as err:
-        return "schema", str(err)
+        return ("schema", str(err)), False
 
 
 def classify(records: list[RawRecord], *, max_bytes: int) -> tuple[list[Accepted], list[Rejected]]:
     accepted: list[Accepted] = []
     rejected: list[Rejected] = []
     for rec in records:
-        result = decode(rec.value, max_bytes=max_bytes)
+        result, canonical = _decode(rec.value, max_bytes=max_bytes)
         if isinstance(result, Trajectory):
-            accepted.append(Accepted(rec, result))
+            accepted.append(Accepted(rec, result, canonical))
         else:
             rejected.append(Rejected(rec, result[0], result[1]))
     return accepted, rejected

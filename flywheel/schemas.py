@@ -13,7 +13,7 @@ import uuid
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 SCHEMA_VERSION = 1
 # Namespace of content-derived trajectory ids (uuid5), fixed forever: changing it would turn
@@ -31,21 +31,17 @@ class _Open(BaseModel):
 
 
 class Tool(_Open):
-    """An OpenAI function-tool schema; the Chat Completions nesting is flattened."""
+    """An OpenAI function-tool schema (flat, Responses API style).
+
+    The Chat Completions nesting (`{"type": "function", "function": {...}}`) is flattened by
+    `normalize` before validation.
+    """
 
     type: Literal["function"] = "function"
     name: str
     description: str | None = None
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
 
-    @model_validator(mode="before")
-    @classmethod
-    def _flatten(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("function"), dict):
-            flat = {k: v for k, v in data.items() if k != "function"}
-            flat.update(data["function"])
-            return flat
-        return data
 
 
 class MessageItem(_Open):
@@ -134,6 +130,14 @@ def content_id(record: dict[str, Any]) -> uuid.UUID:
     return uuid.uuid5(CONTENT_ID_NAMESPACE, canonical)
 
 
+def _flatten_tool(tool: Any) -> Any:
+    if isinstance(tool, dict) and isinstance(tool.get("function"), dict):
+        flat = {k: v for k, v in tool.items() if k != "function"}
+        flat.update(tool["function"])
+        return flat
+    return tool
+
+
 def is_chat_transcript(record: dict[str, Any]) -> bool:
     return "messages" in record and "items" not in record
 
@@ -176,6 +180,8 @@ def normalize(record: dict[str, Any]) -> dict[str, Any]:
     into `metadata["unknown_fields"]`.
     """
     data = dict(record)
+    if isinstance(data.get("tools"), list):
+        data["tools"] = [_flatten_tool(t) for t in data["tools"]]
     if is_chat_transcript(data):
         messages = data.pop("messages")
         if not isinstance(messages, list):

@@ -80,7 +80,7 @@ async def insert_trajectories(conn: AsyncConnection, batch: Sequence[Accepted]) 
         "topics": [a.source.topic for a in batch],
         "parts": [a.source.partition for a in batch],
         "offs": [a.source.offset for a in batch],
-        "records": [t.model_dump_json(exclude_none=True) for t in ts],
+        "records": [a.record_json() for a in batch],
     })
     flags = result.scalars().all()
     return TrajectoryWrite(len(flags), sum(flags), len(batch) - len(flags))

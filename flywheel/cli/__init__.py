@@ -1,0 +1,1 @@
+"""The `flywheel` command line (typer + rich)."""

@@ -1,0 +1,1 @@
+"""Ways into Kafka: agent SDK, HTTP gateway, JSONL replay, outbox relay."""
