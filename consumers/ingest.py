@@ -26,6 +26,7 @@ from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponen
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
 from flywheel.db.repo import append_events, insert_dead_letters, insert_trajectories
+from flywheel.events import Event
 from flywheel.ingest import RawRecord, classify, dead_letter_event, ingested_event
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
 
@@ -56,7 +57,8 @@ def build_app(settings: Settings) -> FastStream:
         async with engine.begin() as conn:
             written = await insert_trajectories(conn, accepted)
             new_dead = await insert_dead_letters(conn, rejected)
-            events = [(dead_letter_event(r), topics.trajectories_dlq) for r in new_dead]
+            events: list[tuple[Event, str]] = [
+                (dead_letter_event(r), topics.trajectories_dlq) for r in new_dead]
             if written.inserted or new_dead:
                 events.append((ingested_event(records, inserted=written.inserted,
                                               duplicates=written.duplicates,

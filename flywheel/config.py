@@ -44,7 +44,7 @@ class DbSettings(BaseModel):
 class IngestSettings(BaseModel):
     group_id: str = "flywheel-ingest"
     """Consumer group of the ingest consumer (scale out by starting more members)."""
-    max_payload_bytes: int = 1_048_576
+    max_payload_bytes: int = 524_288
     """Messages larger than this go to the DLQ with reason `too_large`."""
     batch_max_records: int = 1_000
     """Most messages written to Postgres in one transaction."""

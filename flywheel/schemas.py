@@ -99,7 +99,7 @@ class Usage(_Open):
 class Trajectory(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1] = 1
     trajectory_id: uuid.UUID
     """Producer-assigned idempotency key; derived from content when absent."""
     agent: str = Field(min_length=1)

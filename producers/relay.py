@@ -56,7 +56,7 @@ async def run_relay(settings: Settings, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
                 sent = await relay_once(engine, producer, cfg.batch_size)
-            except (OSError, asyncio.TimeoutError) as err:  # transient: retry next round
+            except (TimeoutError, OSError) as err:  # transient: retry next round
                 log.warning("outbox relay round failed, retrying: %s", err)
                 sent = 0
             if sent < cfg.batch_size:

@@ -124,12 +124,12 @@ def publish(
 
     if file != "-" and not Path(file).exists():
         _fail(f"no such file: {file}")
-    stream = sys.stdin if file == "-" else open(file, encoding="utf-8")  # noqa: SIM115
+    stream = sys.stdin if file == "-" else open(file, encoding="utf-8")
     try:
         report = asyncio.run(publish_lines(_settings(), stream, raw=raw, strict=strict,
                                            progress=not as_json))
-    except StackNotRunning as err:
-        _fail(str(err))
+    except StackNotRunning as exc:
+        _fail(str(exc))
         return
     finally:
         if stream is not sys.stdin:
@@ -138,8 +138,8 @@ def publish(
         print(json.dumps(report, sort_keys=True))
     else:
         console.print(f"published {report['published']}, invalid {report['invalid']}")
-        for err in report["errors"][:10]:
-            console.print(f"  line {err['line']}: {err['error']}")
+        for problem in report["errors"][:10]:
+            console.print(f"  line {problem['line']}: {problem['error']}")
     if report["invalid"] and strict:
         raise typer.Exit(1)
 

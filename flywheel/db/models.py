@@ -116,4 +116,6 @@ class DeadLetterRow(Base):
     )
 
     # One dead letter per source position: a re-delivered bad message is not counted twice.
-    __table_args__ = (UniqueConstraint("topic", "partition", "offset", name="uq_dead_letters_position"),)
+    __table_args__ = (
+        UniqueConstraint("topic", "partition", "offset", name="uq_dead_letters_position"),
+    )

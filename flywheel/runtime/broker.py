@@ -63,7 +63,8 @@ class LocalBroker:
         deadline = time.monotonic() + timeout
         while not port_open("127.0.0.1", self.port):
             if self.proc.poll() is not None:
-                raise RuntimeError(f"broker exited with {self.proc.returncode}; see {self.log_file}")
+                raise RuntimeError(
+                    f"broker exited with {self.proc.returncode}; see {self.log_file}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"broker did not listen on {self.port}; see {self.log_file}")
             time.sleep(0.05)

@@ -96,8 +96,9 @@ class LocalPostgres:
         kwargs: dict[str, object] = {}
         if self.user is not None:
             kwargs = {"user": self.user.pw_uid, "group": self.user.pw_gid, "extra_groups": []}
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              check=False, cwd="/", **kwargs)  # type: ignore[call-overload]
+        result: subprocess.CompletedProcess[str] = subprocess.run(  # type: ignore[call-overload]
+            cmd, capture_output=True, text=True, timeout=timeout, check=False, cwd="/", **kwargs)
+        return result
 
     def initialized(self) -> bool:
         return (self.data_dir / "PG_VERSION").exists()

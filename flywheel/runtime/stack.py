@@ -131,7 +131,8 @@ class Stack:
         raise RuntimeError(f"the API did not answer at {self.api_url()}; see {self.logs}/api.log")
 
     def run(self) -> None:
-        """Foreground supervisor: start all, write run.json, restart dead children, stop on signal."""
+        """Foreground supervisor: start all, write run.json, restart dead children; stop on
+        SIGTERM/SIGINT."""
         stop = {"now": False}
 
         def on_signal(signum: int, _frame: object) -> None:
@@ -194,7 +195,7 @@ def detach(settings: Settings, timeout: float = 180) -> dict[str, Any]:
     run_file(settings).unlink(missing_ok=True)
     settings.home.mkdir(parents=True, exist_ok=True)
     (settings.home / "logs").mkdir(exist_ok=True)
-    out = open(settings.home / "logs" / "supervisor.log", "ab")  # noqa: SIM115 - child owns it
+    out = open(settings.home / "logs" / "supervisor.log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "flywheel.cli.main", "up"],
                             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True,

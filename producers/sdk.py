@@ -1,0 +1,537 @@
+"""Agent SDK: publishes trajectories to `<prefix>.trajectories`, spooling to disk in outages.
+
+Owns: validating and serialising trajectories (key = trajectory_id), batching them onto the
+topic, and the spool under `spool_dir`. While the broker is unreachable records go to an
+append-only spool file; a background task reconnects every `retry_interval_s`, replays the
+spool in order, and only then sends from memory again. The next client that opens the same
+spool (another process, after a crash) replays what is left. A record leaves the spool only
+once the broker has acked it: delivery is at least once, ingest dedupes on trajectory_id.
+
+Spool line: `<crc32 hex> <base64 key | -> <base64 value>\\n`. A torn last line (crash mid-
+write) is cut on open; a line failing its checksum is skipped. `<name>.acked` holds the byte
+offset replayed so far, so a crash mid-replay re-sends at most one batch. Records the broker
+refuses for good (too large, corrupt) go to `<topic>.rejected` instead of blocking the rest.
+Records logged while spooling are written at once (a killed process loses none) and fsync'd
+within `linger_ms` (an OS crash may lose that window); spilled batches are fsync'd at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import fcntl
+import logging
+import os
+import uuid
+import zlib
+from collections import deque
+from collections.abc import Iterable
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+from aiokafka import AIOKafkaProducer
+from aiokafka import errors as kafka_errors
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_fixed
+
+from flywheel.config import Settings
+from flywheel.runtime.endpoints import resolve_bootstrap
+from flywheel.schemas import Trajectory, parse_trajectory
+
+log = logging.getLogger(__name__)
+
+Record = tuple[bytes | None, bytes]
+State = Literal["connected", "spooling"]
+
+MAX_RECORD_BYTES = 1_000_000
+"""Largest key + value `log` accepts: below Kafka's default broker limit (message.max.bytes)."""
+_BATCH_BYTES = 512 * 1024  # per-partition request batch; aiokafka's 16 KiB costs a round trip each
+_SPOOL_SLOTS = 64
+
+_TRANSIENT = (
+    kafka_errors.KafkaConnectionError, kafka_errors.KafkaTimeoutError,
+    kafka_errors.NodeNotReadyError, kafka_errors.RequestTimedOutError,
+    kafka_errors.NoBrokersAvailable, kafka_errors.NotLeaderForPartitionError,
+    kafka_errors.LeaderNotAvailableError, kafka_errors.UnknownTopicOrPartitionError,
+    kafka_errors.NotEnoughReplicasError, kafka_errors.NotEnoughReplicasAfterAppendError,
+    kafka_errors.ProducerClosed, TimeoutError, ConnectionError, asyncio.CancelledError,
+)
+_REFUSED = (
+    kafka_errors.MessageSizeTooLargeError, kafka_errors.RecordTooLargeError,
+    kafka_errors.RecordListTooLargeError, kafka_errors.CorruptRecordException,
+    kafka_errors.InvalidTimestampError,
+)
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Transient (broker unreachable, slow, electing a leader): the same send can succeed later."""
+    if isinstance(exc, _TRANSIENT):
+        return True
+    return isinstance(exc, kafka_errors.KafkaError) and bool(exc.retriable)
+
+
+def _encode(key: bytes | None, value: bytes) -> bytes:
+    body = (base64.b64encode(key) if key is not None else b"-") + b" " + base64.b64encode(value)
+    return b"%08x %s\n" % (zlib.crc32(body), body)
+
+
+def _decode(line: bytes) -> Record | None:
+    """None for a line that fails its checksum, i.e. was never written whole."""
+    try:
+        crc, body = line.rstrip(b"\n").split(b" ", 1)
+        if int(crc, 16) != zlib.crc32(body):
+            return None
+        key, value = body.split(b" ", 1)
+        return (None if key == b"-" else base64.b64decode(key, validate=True),
+                base64.b64decode(value, validate=True))
+    except ValueError:  # includes binascii.Error
+        return None
+
+
+def _validate(record: object) -> Trajectory:
+    try:
+        return parse_trajectory(record)
+    except ValueError as exc:
+        errors = getattr(exc, "errors", None)  # pydantic: one line per field beats its dump
+        detail = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}"
+                           for e in errors()) if callable(errors) else str(exc)
+        raise ValueError(f"invalid trajectory: {detail}") from exc
+
+
+class _Spool:
+    """Append-only record file plus its acked offset; one client owns a file (flock)."""
+
+    def __init__(self, directory: Path, topic: str) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path, self._fd = self._claim(directory, topic)
+        self._ack_fd = os.open(self.path.with_suffix(".acked"), os.O_RDWR | os.O_CREAT, 0o600)
+        raw = os.pread(self._ack_fd, 32, 0).strip()
+        self.size = os.fstat(self._fd).st_size
+        self.acked = int(raw) if raw.isdigit() and int(raw) <= self.size else 0
+        self.count = self._scan()
+        self._dirty = False
+
+    @staticmethod
+    def _claim(directory: Path, topic: str) -> tuple[Path, int]:
+        # Slot 0 first: a restarted process gets the spool its predecessor left behind.
+        for slot in range(_SPOOL_SLOTS):
+            path = directory / f"{topic}.{slot}.spool"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            return path, fd
+        raise RuntimeError(f"all {_SPOOL_SLOTS} spool files for {topic!r} in {directory} are"
+                           " held by running clients; close some or use another spool_dir")
+
+    def _scan(self) -> int:
+        count, pos = 0, self.acked
+        with open(self.path, "rb") as f:
+            f.seek(pos)
+            for line in f:
+                if not line.endswith(b"\n"):
+                    log.warning("spool %s: cutting a torn last line (%d bytes) left by a crash",
+                                self.path, len(line))
+                    os.ftruncate(self._fd, pos)
+                    os.fsync(self._fd)
+                    self.size = pos
+                    break
+                pos += len(line)
+                if _decode(line) is None:
+                    log.warning("spool %s: skipping a corrupt line at byte %d", self.path, pos)
+                else:
+                    count += 1
+        return count
+
+    def append(self, records: Iterable[Record], *, sync: bool) -> None:
+        lines = [_encode(k, v) for k, v in records]
+        blob = b"".join(lines)
+        view = memoryview(blob)
+        while view:  # O_APPEND and one writer: a short write's rest still lands contiguously
+            view = view[os.write(self._fd, view):]
+        self.count += len(lines)
+        self.size += len(blob)
+        self._dirty = True
+        if sync:
+            self.sync()
+
+    def read(self, max_records: int) -> list[tuple[Record, int]]:
+        """Up to `max_records` unacked records, each with the byte offset just past it."""
+        out: list[tuple[Record, int]] = []
+        pos = self.acked
+        with open(self.path, "rb") as f:
+            f.seek(pos)
+            for line in f:
+                pos += len(line)
+                record = _decode(line)
+                if record is not None:
+                    out.append((record, pos))
+                    if len(out) >= max_records:
+                        break
+        return out
+
+    def ack(self, offset: int, n: int) -> None:
+        self.acked, self.count = offset, self.count - n
+        os.pwrite(self._ack_fd, b"%020d\n" % offset, 0)
+        os.fsync(self._ack_fd)
+
+    def clear(self) -> None:
+        # Offset first: a crash between the two steps re-sends (duplicates), never skips.
+        self.ack(0, self.count)
+        os.ftruncate(self._fd, 0)
+        os.fsync(self._fd)
+        self.size = self.count = 0
+
+    def sync(self) -> None:
+        if self._dirty:
+            os.fsync(self._fd)
+            self._dirty = False
+
+    def close(self) -> None:
+        self.sync()
+        os.close(self._ack_fd)
+        os.close(self._fd)  # releases the flock
+
+
+class FlywheelClient:
+    """Publishes trajectories. `log` never waits on the network, only on a full buffer.
+
+    Records flow in one order: memory buffer → in-flight batch → broker, or, once a send
+    fails transiently, → spool → broker. Counting records in that order is what lets
+    `flush` know when everything logged before it has been acknowledged.
+    """
+
+    def __init__(self, bootstrap: str, topic: str, *, spool_dir: Path,
+                 max_buffered: int = 10_000, linger_ms: int = 20, max_batch: int = 500,
+                 retry_interval_s: float = 1.0, request_timeout_ms: int = 5000) -> None:
+        self._bootstrap, self._topic, self._spool_dir = bootstrap, topic, spool_dir
+        self._max_buffered, self._max_batch = max_buffered, max_batch
+        self._linger, self._retry_interval = linger_ms / 1000, retry_interval_s
+        self._request_timeout_ms = request_timeout_ms
+        self._state: State = "spooling"
+        self._buf: deque[Record] = deque()
+        self._inflight: list[Record] = []
+        self._producer: Any = None
+        self._spool: _Spool | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._sync_timer: asyncio.TimerHandle | None = None
+        self._logged = self._acked = self._rejected = 0
+        self._closing = False
+        self._closing_event = asyncio.Event()
+        self._data = asyncio.Event()
+        self._space = asyncio.Event()
+        self._progress = asyncio.Event()
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **kw: Any) -> FlywheelClient:
+        return cls(resolve_bootstrap(settings), settings.topics.trajectories,
+                   spool_dir=settings.home / "spool", **kw)
+
+    @property
+    def spool_path(self) -> Path | None:
+        return self._spool.path if self._spool else None
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        spool = self._spool
+        return {"sent": self._acked - self._rejected, "rejected": self._rejected,
+                "spooled": spool.count if spool else 0, "pending": self._logged - self._acked,
+                "spool_bytes": spool.size if spool else 0, "state": self._state}
+
+    async def __aenter__(self) -> FlywheelClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Open the spool and connect; an unreachable broker means spooling, not an error."""
+        if self._spool is not None:
+            raise RuntimeError("FlywheelClient.start() was already called")
+        self._spool = spool = _Spool(self._spool_dir, self._topic)
+        self._logged = spool.count  # an earlier run's records count as logged by this one
+        if spool.count:
+            log.info("%s holds %d undelivered records from an earlier run; they go first",
+                     spool.path, spool.count)
+        try:
+            self._producer = await self._connect()
+        except Exception as exc:
+            if not is_retryable(exc):
+                spool.close()
+                self._spool = None
+                raise
+            log.warning("Kafka at %s is unreachable (%r): spooling to %s until it answers",
+                        self._bootstrap, exc, spool.path)
+        self._state = "connected" if self._producer is not None and not spool.count else "spooling"
+        self._task = asyncio.create_task(self._run(), name=f"flywheel-sdk:{self._topic}")
+
+    async def log(self, trajectory: Trajectory | dict[str, Any]) -> uuid.UUID:
+        """Validate and enqueue one trajectory; returns its id. Raises ValueError if invalid."""
+        traj = trajectory if isinstance(trajectory, Trajectory) else _validate(trajectory)
+        await self._enqueue(str(traj.trajectory_id).encode(),
+                            traj.model_dump_json(exclude_none=True).encode())
+        return traj.trajectory_id
+
+    async def log_raw(self, value: bytes, key: bytes | None = None) -> None:
+        """Enqueue pre-serialized JSON as is (replays); ingest validates it."""
+        await self._enqueue(key, value)
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Wait until the broker has acked everything logged before this call."""
+        target = self._logged
+        try:
+            async with asyncio.timeout(timeout):
+                while self._acked < target:
+                    self._raise_if_unusable(closed_ok=self._task is not None
+                                            and not self._task.done())
+                    await self._progress.wait()
+        except TimeoutError:
+            if self._spool is not None:
+                self._spool.sync()
+            raise TimeoutError(
+                f"{target - self._acked} trajectories not acknowledged by Kafka at"
+                f" {self._bootstrap} after {timeout}s (state: {self._state}); they are kept"
+                f" in memory or in {self.spool_path} and are sent once the broker answers"
+            ) from None
+
+    async def close(self, timeout: float | None = 30.0) -> None:
+        """Deliver what can be within `timeout`; whatever is left stays in the spool."""
+        if self._spool is None or self._closing:
+            return
+        self._closing = True
+        for event in (self._closing_event, self._data, self._space):
+            event.set()
+        task = self._task
+        try:
+            if task is not None:
+                done, _ = await asyncio.wait({task}, timeout=timeout)
+                if not done:
+                    log.warning("close: gave up delivering after %ss; the rest stays in %s",
+                                timeout, self._spool.path)
+                    task.cancel()
+                    await asyncio.wait({task})
+                elif not task.cancelled():
+                    task.exception()  # a failure was logged by _run and is raised by flush()
+        finally:
+            self._spill()
+            if self._sync_timer is not None:
+                self._sync_timer.cancel()
+            await self._drop_producer()
+            self._spool.close()
+            self._notify_progress()
+
+    def _raise_if_unusable(self, *, closed_ok: bool = False) -> None:
+        if self._spool is None:
+            raise RuntimeError("FlywheelClient is not started: `await client.start()` first,"
+                               " or use `async with client:`")
+        task = self._task
+        if task is not None and task.done() and not task.cancelled() and task.exception():
+            raise RuntimeError(f"delivery to {self._topic} stopped on a permanent error;"
+                               f" undelivered records are kept in {self._spool.path}"
+                               ) from task.exception()
+        if self._closing and not closed_ok:
+            raise RuntimeError("FlywheelClient is closed")
+
+    async def _enqueue(self, key: bytes | None, value: bytes) -> None:
+        self._raise_if_unusable()
+        size = len(value) + len(key or b"")
+        if size > MAX_RECORD_BYTES:
+            raise ValueError(f"trajectory is {size} bytes serialized; the limit is"
+                             f" {MAX_RECORD_BYTES}: trim large tool outputs or content")
+        while self._state == "connected" and len(self._buf) >= self._max_buffered:
+            self._space.clear()
+            await self._space.wait()  # backpressure; a switch to spooling also wakes us
+            self._raise_if_unusable()
+        self._logged += 1
+        if self._state == "connected":
+            self._buf.append((key, value))
+            self._data.set()
+            return
+        assert self._spool is not None
+        # Written now (a process crash loses nothing); fsync'd once per linger window.
+        self._spool.append([(key, value)], sync=False)
+        if self._sync_timer is None:
+            self._sync_timer = asyncio.get_running_loop().call_later(self._linger, self._sync)
+
+    def _sync(self) -> None:
+        self._sync_timer = None
+        if self._spool is not None and not self._closing:
+            self._spool.sync()
+
+    def _notify_progress(self) -> None:
+        event, self._progress = self._progress, asyncio.Event()
+        event.set()
+
+    def _acknowledge(self, n: int) -> None:
+        if n:
+            self._acked += n
+            self._notify_progress()
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                if self._state == "spooling":
+                    if not await self._recover():
+                        return
+                    continue
+                batch = await self._next_batch()
+                if not batch:
+                    return
+                await self._deliver(batch)
+        except Exception:
+            log.exception("delivery to %s stopped; records are kept in the spool", self._topic)
+            raise
+        finally:
+            self._spill()  # whatever stopped us (close, cancel, bug), memory goes to disk
+            self._notify_progress()
+
+    async def _next_batch(self) -> list[Record]:
+        while not self._buf:
+            if self._closing:
+                return []
+            self._data.clear()
+            await self._data.wait()
+        if len(self._buf) < self._max_batch and not self._closing:
+            await asyncio.sleep(self._linger)  # let a burst fill the batch: fewer requests
+        n = min(len(self._buf), self._max_batch)
+        self._inflight = [self._buf.popleft() for _ in range(n)]
+        self._space.set()
+        return self._inflight
+
+    async def _deliver(self, batch: list[Record]) -> None:
+        done, error = self._settle(batch, await self._send(batch))
+        self._inflight = batch[done:]
+        self._acknowledge(done)
+        if error is None:
+            return
+        if not is_retryable(error):
+            raise error
+        log.warning("Kafka at %s failed (%r): spooling %d records to %s until it answers",
+                    self._bootstrap, error, len(self._inflight) + len(self._buf),
+                    self.spool_path)
+        self._spill()
+        await self._drop_producer()  # it may never recover its connections: start afresh
+
+    def _spill(self) -> None:
+        """Move what memory holds to the spool, oldest first; later records follow it there."""
+        records = [*self._inflight, *self._buf]
+        if not records or self._spool is None:
+            return
+        self._inflight, self._state = [], "spooling"
+        self._buf.clear()
+        self._spool.append(records, sync=True)
+        self._space.set()
+
+    async def _send(self, records: list[Record]) -> list[BaseException | None]:
+        """Queue every record on the producer, then await all acks: one round trip a batch."""
+        futures, failure = [], None
+        for key, value in records:
+            try:
+                futures.append(await self._producer.send(self._topic, value, key=key))
+            except Exception as exc:
+                failure = exc
+                break
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        outcome = [r if isinstance(r, BaseException) else None for r in results]
+        return [*outcome, failure] if failure is not None else outcome
+
+    def _settle(self, records: list[Record],
+                outcome: list[BaseException | None]) -> tuple[int, BaseException | None]:
+        """How many leading records are done (acked or refused for good), and what stopped
+        the rest. Later records that did get through are re-sent: duplicates, never gaps."""
+        for i, (record, exc) in enumerate(zip(records, outcome, strict=False)):
+            if exc is None:
+                continue
+            if not isinstance(exc, _REFUSED):
+                return i, exc
+            # Retrying cannot help, and holding it would block every record behind it.
+            rejected = self._spool_dir / f"{self._topic}.rejected"
+            with open(rejected, "ab") as f:
+                f.write(_encode(*record))
+                os.fsync(f.fileno())
+            self._rejected += 1
+            log.error("Kafka refused trajectory %r for good (%r); kept in %s",
+                      record[0], exc, rejected)
+        return len(outcome), None
+
+    async def _recover(self) -> bool:
+        """Reconnect and replay the spool; True once sending from memory again."""
+        if self._closing and self._producer is None:
+            return False
+        retrying = AsyncRetrying(
+            retry=retry_if_exception(is_retryable), wait=wait_fixed(self._retry_interval),
+            stop=lambda _: self._closing, sleep=self._nap, before_sleep=self._log_retry,
+            reraise=True)
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    await self._replay()
+        except Exception as exc:
+            if self._closing and is_retryable(exc):
+                return False
+            raise
+        return True
+
+    async def _replay(self) -> None:
+        spool = self._spool
+        assert spool is not None
+        if self._producer is None:
+            self._producer = await self._connect()
+        try:
+            while entries := spool.read(self._max_batch):
+                records = [record for record, _ in entries]
+                done, error = self._settle(records, await self._send(records))
+                if done:
+                    spool.ack(entries[done - 1][1], done)
+                    self._acknowledge(done)
+                if error is not None:
+                    raise error
+        except Exception:
+            await self._drop_producer()
+            raise
+        # No await since read() came back empty, so no record can sneak in between.
+        replayed = spool.size
+        spool.clear()
+        self._state = "connected"
+        log.info("Kafka at %s answers: spool replayed (%d bytes), sending directly again",
+                 self._bootstrap, replayed)
+
+    async def _nap(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._closing_event.wait(), seconds)
+
+    def _log_retry(self, state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        log.debug("Kafka at %s still unreachable (%r); %d records spooled, retrying",
+                  self._bootstrap, exc, self._spool.count if self._spool else 0)
+
+    async def _connect(self) -> Any:
+        producer = AIOKafkaProducer(
+            bootstrap_servers=self._bootstrap, acks="all", enable_idempotence=False,
+            request_timeout_ms=self._request_timeout_ms, max_batch_size=_BATCH_BYTES,
+            max_request_size=MAX_RECORD_BYTES + 64 * 1024, linger_ms=0)
+        try:
+            # start() can hang on an unreachable address instead of failing
+            await asyncio.wait_for(producer.start(), self._request_timeout_ms / 1000)
+        except BaseException:
+            await _stop_quietly(producer, self._request_timeout_ms / 1000)
+            raise
+        return producer
+
+    async def _drop_producer(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            await _stop_quietly(producer, self._request_timeout_ms / 1000)
+
+
+async def _stop_quietly(producer: Any, wait_s: float) -> None:
+    """A producer that lost its broker may fail or hang in stop(); it is discarded anyway."""
+    try:
+        await asyncio.wait_for(producer.stop(), wait_s)
+    except Exception as exc:
+        log.debug("discarding a Kafka producer whose stop() failed: %r", exc)
