@@ -59,7 +59,8 @@ async def _wait(settings: Settings, expected_rows: int, expected_dlq: int,
     deadline = time.monotonic() + timeout
     while True:
         status = await collect(settings)
-        done = status["trajectories"] >= expected_rows and status["dlq"] >= expected_dlq
+        done = (status["trajectories"] >= expected_rows and status["dlq"] >= expected_dlq
+                and status["outbox_pending"] == 0)
         if done or time.monotonic() > deadline:
             return status
         await asyncio.sleep(0.5)
