@@ -72,37 +72,43 @@ COLUMNS = ["trajectory_id", "agent", "session_id", "status", "is_failure", "mode
 
 
 async def _pipeline(settings: Settings, values: list[tuple[bytes, bytes]], log: Path,
-                    tick: Any) -> float:
+                    tick: Any, workers: int) -> float:
     assert settings.kafka.bootstrap and settings.db.url
     topic = settings.topics.trajectories
     conn = await asyncpg.connect(_dsn(settings.db.url))
     env = {**os.environ, **settings_env(settings)}
     with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "consumers.ingest"], env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
+        procs = [subprocess.Popen([sys.executable, "-m", "consumers.ingest"], env=env,
+                                  stdout=out, stderr=subprocess.STDOUT) for _ in range(workers)]
     try:
-        # Warm-up record: the consumer has joined its group and written once before timing.
+        # Warm-up record: the group has formed and written once before timing starts.
+        await asyncio.sleep(settings.kafka.session_timeout_ms / 1000 if workers > 1 else 0)
         await _produce(settings.kafka.bootstrap, topic, [values[0]])
         while await _count(conn) < 1:
-            if proc.poll() is not None:
-                raise RuntimeError(f"ingest consumer died; see {log}")
+            _check(procs, log)
             await asyncio.sleep(0.05)
         n = len(values) - 1
         t0 = time.perf_counter()
         producing = asyncio.create_task(_produce(settings.kafka.bootstrap, topic, values[1:]))
         while (done := await _count(conn) - 1) < n:
             tick(done)
-            if proc.poll() is not None:
-                raise RuntimeError(f"ingest consumer died; see {log}")
+            _check(procs, log)
             await asyncio.sleep(0.1)
         elapsed = time.perf_counter() - t0
         await producing
         tick(n)
         return n / elapsed
     finally:
-        proc.terminate()
-        proc.wait(30)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
         await conn.close()
+
+
+def _check(procs: list[subprocess.Popen[bytes]], log: Path) -> None:
+    if any(p.poll() is not None for p in procs):
+        raise RuntimeError(f"an ingest consumer died; see {log}")
 
 
 async def _copy_and_naive(dsn: str, rows: list[tuple[Any, ...]]) -> tuple[float, float]:
@@ -127,7 +133,8 @@ async def _copy_and_naive(dsn: str, rows: list[tuple[Any, ...]]) -> tuple[float,
         await conn.close()
 
 
-def run_bench(n: int, *, progress: bool = True, seed: int = 0) -> dict[str, Any]:
+def run_bench(n: int, *, workers: int = 1, progress: bool = True, seed: int = 0
+              ) -> dict[str, Any]:
     from rich.progress import Progress
 
     rng = random.Random(seed)
@@ -142,13 +149,14 @@ def run_bench(n: int, *, progress: bool = True, seed: int = 0) -> dict[str, Any]
         broker.start()
         pg.start()
         migrate.upgrade(pg.url)
-        settings = Settings(home=base, kafka=KafkaSettings(bootstrap=broker.bootstrap),
-                            db=DbSettings(url=pg.url))
+        settings = Settings(home=base, kafka=KafkaSettings(
+            bootstrap=broker.bootstrap, session_timeout_ms=3000, heartbeat_interval_ms=500),
+            db=DbSettings(url=pg.url))
         asyncio.run(ensure_topics(broker.bootstrap, settings.topics.all(), partitions=3))
         with Progress(disable=not progress, transient=True) as bar:
             task = bar.add_task("producer → kafka → postgres", total=n)
             rate = asyncio.run(_pipeline(settings, values, base / "ingest.log",
-                                         lambda done: bar.update(task, completed=done)))
+                                         lambda done: bar.update(task, completed=done), workers))
         copy_rate, naive_rate = asyncio.run(_copy_and_naive(_dsn(pg.url), rows))
     finally:
         broker.stop()
@@ -156,6 +164,7 @@ def run_bench(n: int, *, progress: bool = True, seed: int = 0) -> dict[str, Any]
         shutil.rmtree(base, ignore_errors=True)
     return {
         "n": n,
+        "ingest_workers": workers,
         "payload_bytes_mean": round(sum(len(v) for _, v in values) / len(values)),
         "trajectories_per_s": round(rate, 1),
         "copy_rows_per_s": round(copy_rate, 1),

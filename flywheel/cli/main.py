@@ -147,12 +147,13 @@ def publish(
 @bench_app.command("ingest")
 def bench_ingest(
     n: Annotated[int, typer.Option(help="Trajectories to push through.")] = 50_000,
+    workers: Annotated[int, typer.Option(help="Ingest processes (one consumer group).")] = 1,
     as_json: JsonOpt = False,
 ) -> None:
     """Producer → Kafka → Postgres until every row is durable, against raw COPY."""
     from flywheel.bench.ingest import run_bench
 
-    result = run_bench(n, progress=not as_json)
+    result = run_bench(n, workers=workers, progress=not as_json)
     if as_json:
         print(json.dumps(result, sort_keys=True))
     else:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from asyncpg.exceptions import UniqueViolationError
 from sqlalchemy import text
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from flywheel.events import Event
@@ -62,10 +65,42 @@ class TrajectoryWrite:
     duplicates: int
 
 
+TRAJECTORY_COLUMNS = ["trajectory_id", "agent", "session_id", "status", "is_failure", "model",
+                      "adapter_version", "started_at", "ended_at", "source_topic",
+                      "source_partition", "source_offset", "record"]
+
+
 async def insert_trajectories(conn: AsyncConnection, batch: Sequence[Accepted]) -> TrajectoryWrite:
-    """One statement for the whole batch; re-delivered ids are skipped (idempotent)."""
+    """Write a batch idempotently: re-delivered ids are skipped.
+
+    Fast path: binary COPY straight into the table inside a savepoint. A batch holding an id
+    that is already stored (a redelivery after a crash, or a re-sent record) violates the
+    primary key; the savepoint is rolled back and the batch takes the `ON CONFLICT DO
+    NOTHING` path. Either way the effect is the same rows.
+    """
     if not batch:
         return TrajectoryWrite(0, 0, 0)
+    try:
+        async with conn.begin_nested():
+            raw = await conn.get_raw_connection()
+            driver: Any = raw.driver_connection
+            await driver.copy_records_to_table(
+                "trajectories", columns=TRAJECTORY_COLUMNS, records=[_row(a) for a in batch])
+        failures = sum(a.trajectory.is_failure for a in batch)
+        return TrajectoryWrite(len(batch), failures, 0)
+    except (UniqueViolationError, IntegrityError):
+        return await _insert_skipping_duplicates(conn, batch)
+
+
+def _row(a: Accepted) -> tuple[Any, ...]:
+    t = a.trajectory
+    return (t.trajectory_id, t.agent, t.session_id, t.outcome.status, t.is_failure, t.model,
+            t.adapter_version, t.started_at, t.ended_at, a.source.topic, a.source.partition,
+            a.source.offset, a.record_json())
+
+
+async def _insert_skipping_duplicates(conn: AsyncConnection,
+                                      batch: Sequence[Accepted]) -> TrajectoryWrite:
     ts = [a.trajectory for a in batch]
     result = await conn.execute(_INSERT_TRAJECTORIES, {
         "ids": [t.trajectory_id for t in ts],
