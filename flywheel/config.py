@@ -52,6 +52,17 @@ class IngestSettings(BaseModel):
     """Longest wait to fill a batch before writing what arrived."""
 
 
+class MinerSettings(BaseModel):
+    group_id: str = "flywheel-miner"
+    """Consumer group of the miner (its own group on the trajectory topic)."""
+    holdout_fraction: float = Field(default=0.2, ge=0.0, le=1.0)
+    """Share of tasks held out for evaluation (decided by the task fingerprint)."""
+    labeller: Literal["none"] = "none"
+    """Optional second opinion for `other` failures; only `none` ships today."""
+    batch_max_records: int = 500
+    """Most trajectories mined in one transaction."""
+
+
 class RelaySettings(BaseModel):
     poll_interval_s: float = 0.2
     """Pause between outbox polls when the previous poll found nothing."""
@@ -81,6 +92,7 @@ class Settings(BaseSettings):
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     db: DbSettings = Field(default_factory=DbSettings)
     ingest: IngestSettings = Field(default_factory=IngestSettings)
+    miner: MinerSettings = Field(default_factory=MinerSettings)
     relay: RelaySettings = Field(default_factory=RelaySettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
 
@@ -95,6 +107,7 @@ class Topics(BaseModel, frozen=True):
     trajectories: str
     trajectories_dlq: str
     ingest: str
+    tasks: str
 
     @classmethod
     def for_prefix(cls, prefix: str) -> Topics:
@@ -102,10 +115,11 @@ class Topics(BaseModel, frozen=True):
             trajectories=f"{prefix}.trajectories",
             trajectories_dlq=f"{prefix}.trajectories.dlq",
             ingest=f"{prefix}.ingest",
+            tasks=f"{prefix}.tasks",
         )
 
     def all(self) -> list[str]:
-        return [self.trajectories, self.trajectories_dlq, self.ingest]
+        return [self.trajectories, self.trajectories_dlq, self.ingest, self.tasks]
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -113,7 +127,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
     import json
 
     env: dict[str, str] = {"FLYWHEEL_HOME": str(settings.home.resolve())}
-    for section in ("kafka", "db", "ingest", "relay", "api"):
+    for section in ("kafka", "db", "ingest", "miner", "relay", "api"):
         for key, value in getattr(settings, section).model_dump(mode="json").items():
             if value is None:
                 continue

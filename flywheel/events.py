@@ -77,7 +77,38 @@ class TrajectoriesIngested(_Event):
     payload: TrajectoriesIngestedPayload
 
 
-Event = Annotated[DeadLettered | TrajectoriesIngested, Field(discriminator="type")]
+class TaskCreatedPayload(_Payload):
+    task_id: uuid.UUID
+    env: str
+    failure_mode: str
+    split: Literal["train", "holdout"]
+    fingerprint: str
+    source_trajectory_id: uuid.UUID
+    expected_from: str
+    """Where the expected behaviour came from: human_correction, feedback, retry:<id>, tests."""
+
+
+class TaskCreated(_Event):
+    """A failure became a new verifiable task (duplicates only add a source, no event)."""
+
+    type: Literal["TaskCreated"] = "TaskCreated"
+    payload: TaskCreatedPayload
+
+
+class EvalSetFrozenPayload(_Payload):
+    version: int
+    task_ids: list[uuid.UUID]
+
+
+class EvalSetFrozen(_Event):
+    """The holdout tasks of this moment became eval-set `version`, unchangeable from now on."""
+
+    type: Literal["EvalSetFrozen"] = "EvalSetFrozen"
+    payload: EvalSetFrozenPayload
+
+
+Event = Annotated[DeadLettered | TrajectoriesIngested | TaskCreated | EvalSetFrozen,
+                  Field(discriminator="type")]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
 

@@ -16,27 +16,37 @@ SELECT (SELECT count(*) FROM trajectories)                          AS trajector
        (SELECT count(*) FROM trajectories WHERE is_failure)         AS failures,
        (SELECT count(*) FROM dead_letters)                          AS dlq,
        (SELECT count(*) FROM outbox WHERE published_at IS NULL)     AS outbox_pending,
-       (SELECT count(*) FROM events)                                AS events
+       (SELECT count(*) FROM events)                                AS events,
+       (SELECT count(*) FROM tasks)                                 AS tasks,
+       (SELECT count(*) FROM tasks WHERE split = 'holdout')         AS tasks_holdout,
+       (SELECT count(*) FROM failures WHERE status = 'unverifiable') AS unverifiable,
+       (SELECT coalesce(max(version), 0) FROM eval_sets)            AS evalset_version
 """)
+_MODES = text("SELECT failure_mode, count(*) FROM failures GROUP BY 1 ORDER BY 1")
 _DLQ_REASONS = text("SELECT reason, count(*) FROM dead_letters GROUP BY reason ORDER BY reason")
 
 
 async def collect(settings: Settings) -> dict[str, Any]:
-    """Stable keys: trajectories, failures, dlq, dlq_by_reason, outbox_pending, events, lag."""
+    """Stable keys: trajectories, failures, dlq, dlq_by_reason, outbox_pending, events, tasks,
+    tasks_holdout, unverifiable, evalset_version, failure_modes, lag (per consumer group)."""
     engine = make_engine(resolve_db_url(settings), pool_size=1)
     try:
         async with engine.connect() as conn:
             row = (await conn.execute(_COUNTS)).mappings().one()
             reasons = {r: int(n) for r, n in (await conn.execute(_DLQ_REASONS)).all()}
+            modes = {m: int(n) for m, n in (await conn.execute(_MODES)).all()}
     finally:
         await engine.dispose()
     bootstrap = resolve_bootstrap(settings)
     topics = settings.topics
-    lag_parts = await group_lag(bootstrap, settings.ingest.group_id, topics.trajectories)
+    lag = {}
+    for group in (settings.ingest.group_id, settings.miner.group_id):
+        parts = await group_lag(bootstrap, group, topics.trajectories)
+        lag[group] = {"topic": topics.trajectories, "total": sum(parts.values()),
+                      "partitions": parts}
     return {
         **{k: int(v) for k, v in row.items()},
         "dlq_by_reason": reasons,
-        "lag": {settings.ingest.group_id: {"topic": topics.trajectories,
-                                           "total": sum(lag_parts.values()),
-                                           "partitions": lag_parts}},
+        "failure_modes": modes,
+        "lag": lag,
     }

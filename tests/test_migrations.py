@@ -28,4 +28,6 @@ async def test_upgrade_head_on_empty_database_then_no_drift(postgres: LocalPostg
             "SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
     finally:
         await conn.close()
-    assert tables == {"alembic_version", "trajectories", "events", "outbox", "dead_letters"}
+    assert tables == {"alembic_version", "trajectories", "events", "outbox", "dead_letters",
+                      "failures", "session_successes", "tasks", "task_sources", "eval_sets",
+                      "eval_set_tasks"}

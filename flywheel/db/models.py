@@ -10,6 +10,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     DateTime,
+    ForeignKey,
     Index,
     Integer,
     LargeBinary,
@@ -119,3 +120,86 @@ class DeadLetterRow(Base):
     __table_args__ = (
         UniqueConstraint("topic", "partition", "offset", name="uq_dead_letters_position"),
     )
+
+
+class FailureRow(Base):
+    """One row per mined failed trajectory: its classification and what became of it."""
+
+    __tablename__ = "failures"
+
+    trajectory_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    agent: Mapped[str] = mapped_column(Text)
+    session_id: Mapped[str | None] = mapped_column(Text)
+    request_key: Mapped[str | None] = mapped_column(Text)
+    failure_mode: Mapped[str] = mapped_column(Text)
+    evidence: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    status: Mapped[str] = mapped_column(Text)
+    """`task` (became or joined a task) or `unverifiable` (may still be upgraded by a retry)."""
+    reason: Mapped[str | None] = mapped_column(Text)
+    task_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+    record: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    mined_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+    __table_args__ = (
+        Index("ix_failures_session_request", "session_id", "request_key"),
+        Index("ix_failures_status", "status"),
+    )
+
+
+class SessionSuccessRow(Base):
+    """Successful trajectories by session and request: a later retry can verify a failure."""
+
+    __tablename__ = "session_successes"
+
+    trajectory_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    session_id: Mapped[str] = mapped_column(Text)
+    request_key: Mapped[str] = mapped_column(Text)
+    record: Mapped[dict[str, Any]] = mapped_column(JSONB)
+
+    __table_args__ = (Index("ix_session_successes_key", "session_id", "request_key"),)
+
+
+class TaskRow(Base):
+    __tablename__ = "tasks"
+
+    task_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(Text, unique=True)
+    env: Mapped[str] = mapped_column(Text)
+    failure_mode: Mapped[str] = mapped_column(Text)
+    split: Mapped[str] = mapped_column(Text)
+    expected_from: Mapped[str] = mapped_column(Text)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now())
+
+    __table_args__ = (Index("ix_tasks_split_env", "split", "env"),)
+
+
+class TaskSourceRow(Base):
+    """Provenance: every trajectory that produced (a duplicate of) the task."""
+
+    __tablename__ = "task_sources"
+
+    task_id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("tasks.task_id"), primary_key=True)
+    trajectory_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    added_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+    __table_args__ = (Index("ix_task_sources_trajectory", "trajectory_id"),)
+
+
+class EvalSetRow(Base):
+    __tablename__ = "eval_sets"
+
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    frozen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    task_count: Mapped[int] = mapped_column(Integer)
+
+
+class EvalSetTaskRow(Base):
+    __tablename__ = "eval_set_tasks"
+
+    version: Mapped[int] = mapped_column(
+        Integer, ForeignKey("eval_sets.version"), primary_key=True)
+    task_id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("tasks.task_id"), primary_key=True)

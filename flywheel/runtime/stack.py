@@ -32,6 +32,7 @@ log = logging.getLogger("flywheel.up")
 # Every service that exists, as `python -m <module>`. Later stages add theirs here.
 SERVICES: dict[str, str] = {
     "ingest": "consumers.ingest",
+    "miner": "consumers.miner",
     "relay": "producers.relay",
     "api": "flywheel.cli.serve_api",
 }

@@ -1,0 +1,1 @@
+"""Failure mining: classify failed trajectories and turn them into verifiable tasks."""

@@ -1,0 +1,110 @@
+"""Environment tasks: what a failure becomes, and the typed verifier contract.
+
+A task is the context up to the failing decision, the tools offered, and a verifier spec
+(how to check an attempt). Verifier specs are a union discriminated on `kind`, one per
+built-in environment. A verifier returns a `VerifierResult`; an attempt that did not run
+(timeout before any output, crash, sandbox failure) is a `RolloutNotRun`, never reward 0.
+
+Conventions that trajectories use to carry verification data (the simulator follows them):
+* `tools[i]["x-unsafe"] = true` marks a tool whose call is an unsafe action.
+* `outcome.human_intervention.corrected_items`: the function calls a person says were right.
+* `outcome.feedback` may be JSON `{"expected_call": {"name": …, "arguments": {…}}}`.
+* `metadata.environment`: `{"name": "workplace", "initial_state": {...}}` for stateful
+  workplace sessions; `{"name": "code", "tests": "<pytest-style asserts>",
+  "entrypoint": "solve"}` for coding agents.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FailureMode = Literal["invalid_format", "wrong_tool", "bad_arguments", "hallucinated_tool",
+                      "unsafe_action", "tool_error", "timeout", "incomplete", "escalated",
+                      "other"]
+FAILURE_MODES: tuple[str, ...] = FailureMode.__args__  # type: ignore[attr-defined]
+Split = Literal["train", "holdout"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ExpectedCall(_Frozen):
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolCallSpec(_Frozen):
+    """Single step: the attempt must be one JSON tool call equal to `expected`."""
+
+    kind: Literal["tool_call"] = "tool_call"
+    expected: ExpectedCall
+    unsafe_tools: list[str] = Field(default_factory=list)
+
+
+class WorkplaceSpec(_Frozen):
+    """Multi-step over calendar/email/tickets: the end state must equal `expected_state`."""
+
+    kind: Literal["workplace"] = "workplace"
+    initial_state: dict[str, Any]
+    expected_state: dict[str, Any]
+    max_steps: int = 8
+    unsafe_tools: list[str] = Field(default_factory=list)
+
+
+class CodeSpec(_Frozen):
+    """Generated Python must pass `tests` in the sandbox."""
+
+    kind: Literal["code"] = "code"
+    tests: str
+    entrypoint: str | None = None
+    timeout_s: float = 5.0
+    memory_mb: int = 256
+
+
+class JudgeSpec(_Frozen):
+    """An LLM judge scores the answer against a rubric (optional environment)."""
+
+    kind: Literal["judge"] = "judge"
+    rubric: str
+    reference: str | None = None
+
+
+VerifierSpec = Annotated[ToolCallSpec | WorkplaceSpec | CodeSpec | JudgeSpec,
+                         Field(discriminator="kind")]
+
+
+class TaskSpec(_Frozen):
+    """Everything a rollout worker needs to attempt the task and a verifier to score it."""
+
+    task_id: uuid.UUID
+    env: str
+    """Environment plugin name (entry point in group `flywheel.environments`)."""
+    messages: list[dict[str, Any]]
+    """Chat messages (role/content) up to the failing decision: the prompt of an attempt."""
+    tools: list[dict[str, Any]]
+    verifier: VerifierSpec
+    failure_mode: FailureMode
+    fingerprint: str
+    split: Split
+
+
+class VerifierResult(_Frozen):
+    reward: float
+    reward_components: dict[str, float]
+    failure_mode: FailureMode | None
+    """Why the attempt failed (None when it succeeded)."""
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class RolloutNotRun(Exception):
+    """The attempt produced nothing scoreable: excluded from training and counted."""
+
+    def __init__(self, kind: Literal["timeout", "crash", "sandbox", "empty", "judge_unavailable"],
+                 message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+        self.message = message
