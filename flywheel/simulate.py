@@ -162,7 +162,7 @@ def _workplace(rng: random.Random, s: _Session, mode: str | None) -> list[dict[s
     target = f"tkt-{rng.randrange(1, n + 1)}"
     prompt = (f"Book 'Sync with {who}' on {day} 10:00-11:00 with {who}@example.com, and mark "
               f"{target} as in progress assigned to {who}.")
-    right = [{"name": "calendar_create_event", "arguments": {
+    right: list[dict[str, Any]] = [{"name": "calendar_create_event", "arguments": {
                  "title": f"Sync with {who}", "day": day, "start": "10:00", "end": "11:00",
                  "attendees": [f"{who}@example.com"]}},
              {"name": "tickets_update", "arguments": {
