@@ -1,8 +1,9 @@
 """Ingest logic with no I/O: raw Kafka records → trajectory rows and dead letters.
 
-Accepts the v1 format and Chat Completions transcripts on the same topic. The fast path
-validates v1 JSON straight from bytes; anything else takes the general path (decode,
-normalize, validate) which also produces the readable error for the DLQ.
+Accepts the v1 format and Chat Completions transcripts on the same topic. Three tiers, each
+a fallback for the one before: the msgspec fast path (`flywheel.fastpath`, canonical v1 only,
+no pydantic object), pydantic straight from bytes (still canonical v1), and the general path
+(decode, normalize, validate) which also produces the readable error for the DLQ.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import ValidationError
+from pydantic_core import PydanticSerializationError
 
 from flywheel.events import (
     DeadLettered,
@@ -21,9 +23,12 @@ from flywheel.events import (
     TrajectoriesIngestedPayload,
     derived_event_id,
 )
+from flywheel.fastpath import RowData, cannot_be_canonical, fast_decode
 from flywheel.schemas import Trajectory, parse_trajectory
 
 Reason = Literal["not_json", "schema", "too_large"]
+_TOO_DEEP = ("arrays/objects are nested too deeply to store; keep nesting under 200 levels "
+             "(e.g. send deep values as JSON strings)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,14 +43,10 @@ class RawRecord:
 @dataclass(frozen=True, slots=True)
 class Accepted:
     source: RawRecord
-    trajectory: Trajectory
-    canonical: bool
-    """True when the payload validated as-is: it is stored verbatim (no re-serialization)."""
-
-    def record_json(self) -> str:
-        if self.canonical:
-            return self.source.value.decode()
-        return self.trajectory.model_dump_json(exclude_none=True)
+    row: RowData
+    record_json: str
+    """What the `record` column stores: the payload verbatim when it validated as-is
+    (canonical v1, no re-serialization), else the normalized trajectory's JSON."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,38 +68,67 @@ def describe_validation_error(err: ValidationError, limit: int = 5) -> str:
 
 def decode(value: bytes, *, max_bytes: int) -> Trajectory | tuple[Reason, str]:
     """One payload → a trajectory, or (reason, error) saying why it cannot be accepted."""
-    result, _ = _decode(value, max_bytes=max_bytes)
+    if len(value) > max_bytes:
+        return _too_large(value, max_bytes)
+    result, _ = _validate(value)
     return result
 
 
-def _decode(value: bytes, *, max_bytes: int) -> tuple[Trajectory | tuple[Reason, str], bool]:
-    if len(value) > max_bytes:
-        return ("too_large", f"payload is {len(value)} bytes; the limit is {max_bytes}"), False
-    try:
-        return Trajectory.model_validate_json(value), True
-    except ValidationError:
-        pass  # not canonical v1: chat format, missing id, unknown fields, or really invalid
+def _too_large(value: bytes, max_bytes: int) -> tuple[Reason, str]:
+    return "too_large", f"payload is {len(value)} bytes; the limit is {max_bytes}"
+
+
+def _validate(value: bytes) -> tuple[Trajectory | tuple[Reason, str], bool]:
+    """The pydantic tiers; the flag says the payload was canonical (validated as-is)."""
+    if not cannot_be_canonical(value):
+        try:
+            return Trajectory.model_validate_json(value), True
+        except ValidationError:
+            pass  # not canonical v1: chat format, missing id, unknown fields, or really invalid
     try:
         record = json.loads(value)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except ValueError as err:  # also over-long integers, beside JSONDecodeError/UnicodeError
         return ("not_json", f"not valid JSON: {err}"), False
+    except RecursionError:  # bad input, not a crash: it would be redelivered forever
+        return ("not_json", _TOO_DEEP), False
     try:
         return parse_trajectory(record), False
     except ValidationError as err:
         return ("schema", describe_validation_error(err)), False
     except ValueError as err:
         return ("schema", str(err)), False
+    except RecursionError:  # deriving an id serializes the record
+        return ("schema", _TOO_DEEP), False
+
+
+def _classify_one(rec: RawRecord, max_bytes: int) -> Accepted | Rejected:
+    value = rec.value
+    if len(value) > max_bytes:
+        return Rejected(rec, *_too_large(value, max_bytes))
+    row = fast_decode(value)
+    if row is not None:
+        return Accepted(rec, row, value.decode())
+    result, canonical = _validate(value)
+    if not isinstance(result, Trajectory):
+        return Rejected(rec, *result)
+    if canonical:
+        return Accepted(rec, RowData.of(result), value.decode())
+    try:
+        record_json = result.model_dump_json(exclude_none=True)
+    except (PydanticSerializationError, RecursionError):
+        return Rejected(rec, "schema", _TOO_DEEP)
+    return Accepted(rec, RowData.of(result), record_json)
 
 
 def classify(records: list[RawRecord], *, max_bytes: int) -> tuple[list[Accepted], list[Rejected]]:
     accepted: list[Accepted] = []
     rejected: list[Rejected] = []
     for rec in records:
-        result, canonical = _decode(rec.value, max_bytes=max_bytes)
-        if isinstance(result, Trajectory):
-            accepted.append(Accepted(rec, result, canonical))
+        outcome = _classify_one(rec, max_bytes)
+        if isinstance(outcome, Accepted):
+            accepted.append(outcome)
         else:
-            rejected.append(Rejected(rec, result[0], result[1]))
+            rejected.append(outcome)
     return accepted, rejected
 
 

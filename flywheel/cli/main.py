@@ -18,6 +18,12 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios against a baseline "
                         "measured in the same run).")
 app.add_typer(bench_app, name="bench")
+tasks_app = typer.Typer(no_args_is_help=True, help="Environment tasks mined from failures.")
+app.add_typer(tasks_app, name="tasks")
+evalset_app = typer.Typer(no_args_is_help=True, help="Frozen held-out evaluation sets.")
+app.add_typer(evalset_app, name="evalset")
+verify_app = typer.Typer(no_args_is_help=True, help="Run verifiers on outputs; profile rewards.")
+app.add_typer(verify_app, name="verify")
 console = Console(stderr=True)
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output, stable keys.")]
 
@@ -159,6 +165,144 @@ def bench_ingest(
     else:
         for k, v in result.items():
             console.print(f"{k:>22}: {v}")
+
+
+@app.command()
+def simulate(
+    agents: Annotated[int, typer.Option(help="Simulated agents (1-3: support, ops, code).")] = 3,
+    n: Annotated[int, typer.Option(help="Trajectories to write.")] = 2000,
+    failure_rate: Annotated[float, typer.Option(help="Share of failed attempts.")] = 0.3,
+    seed: Annotated[int, typer.Option(help="Random seed (same seed, same output).")] = 0,
+    chat_share: Annotated[float, typer.Option(help="Share written as Chat Completions "
+                                              "transcripts.")] = 0.2,
+) -> None:
+    """Write realistic agent trajectories as JSONL to stdout (pipe into `flywheel publish -`)."""
+    from flywheel.simulate import simulate as run
+
+    out = sys.stdout
+    for record in run(n, agents=agents, failure_rate=failure_rate, seed=seed,
+                      chat_share=chat_share):
+        out.write(json.dumps(record) + "\n")
+
+
+def _db_call(fn: Any) -> Any:
+    """Run `fn(conn)` in one transaction against the configured database."""
+    from flywheel.db.engine import make_engine
+    from flywheel.runtime.endpoints import StackNotRunning, resolve_db_url
+
+    async def go() -> Any:
+        engine = make_engine(resolve_db_url(_settings()), pool_size=1)
+        try:
+            async with engine.begin() as conn:
+                return await fn(conn)
+        finally:
+            await engine.dispose()
+
+    try:
+        return asyncio.run(go())
+    except StackNotRunning as exc:
+        _fail(str(exc))
+
+
+@tasks_app.command("ls")
+def tasks_ls(
+    split: Annotated[str | None, typer.Option(help="train or holdout")] = None,
+    env: Annotated[str | None, typer.Option(help="Environment name.")] = None,
+    limit: Annotated[int, typer.Option(help="Most rows.")] = 50,
+    as_json: JsonOpt = False,
+) -> None:
+    """List tasks (newest first)."""
+    from flywheel.mining.queries import list_tasks
+
+    rows = _db_call(lambda conn: list_tasks(conn, split=split, env=env, limit=limit))
+    if as_json:
+        print(json.dumps(rows, sort_keys=True, default=str))
+        return
+    from rich.table import Table
+
+    table = Table("task_id", "env", "failure_mode", "split", "sources", "expected_from")
+    for r in rows:
+        table.add_row(str(r["task_id"]), r["env"], r["failure_mode"], r["split"],
+                      str(r["sources"]), r["expected_from"])
+    Console().print(table)
+
+
+@tasks_app.command("show")
+def tasks_show(task_id: str, as_json: JsonOpt = False) -> None:
+    """One task: split, env, failure mode, sources, verifier spec."""
+    from flywheel.mining.queries import get_task
+
+    try:
+        uid = uuid_arg(task_id)
+    except ValueError:
+        _fail(f"not a task id: {task_id!r} (a UUID, see `flywheel tasks ls`)")
+        return
+    row = _db_call(lambda conn: get_task(conn, uid))
+    if row is None:
+        _fail(f"no task {task_id}")
+    print(json.dumps(row, sort_keys=True, default=str, indent=None if as_json else 2))
+
+
+def uuid_arg(value: str) -> Any:
+    import uuid
+
+    return uuid.UUID(value)
+
+
+@evalset_app.command("freeze")
+def evalset_freeze(as_json: JsonOpt = False) -> None:
+    """Freeze today's holdout tasks as the next eval-set version (immutable)."""
+    from flywheel.mining.store import freeze_eval_set
+
+    topic = _settings().topics.tasks
+    version, count = _db_call(lambda conn: freeze_eval_set(conn, topic))
+    if as_json:
+        print(json.dumps({"version": version, "tasks": count}))
+    else:
+        console.print(f"eval set v{version} frozen with {count} holdout tasks")
+
+
+@verify_app.command("check")
+def verify_check(
+    task: Annotated[Path, typer.Option(help="TASK.json: a task spec (`flywheel tasks show`).")],
+    outputs: Annotated[Path, typer.Option(help="OUTPUTS.jsonl: one output per line (a JSON "
+                                          "string, a list of calls, or an end state).")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Score each output against the task: one JSON line per output."""
+    from pydantic import ValidationError
+
+    from flywheel.mining.verify import check
+    from flywheel.tasks import TaskSpec
+
+    try:
+        spec = TaskSpec.model_validate_json(task.read_text())
+    except (OSError, ValidationError) as exc:
+        _fail(f"cannot read task {task}: {exc}")
+        return
+    try:
+        lines = [json.loads(line) for line in outputs.read_text().splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError) as exc:
+        _fail(f"cannot read outputs {outputs}: {exc}")
+        return
+    for result in check(spec, lines):
+        print(json.dumps(result, sort_keys=True))
+
+
+@verify_app.command("profile")
+def verify_profile(
+    env: Annotated[str, typer.Option(help="Environment name (tool_call, workplace, code…).")],
+    sample: Annotated[int, typer.Option(help="Tasks to sample.")] = 200,
+    as_json: JsonOpt = False,
+) -> None:
+    """Reward distribution over stored tasks: production attempts and the references."""
+    from flywheel.mining.verify import profile
+
+    data = _db_call(lambda conn: profile(conn, env, sample))
+    if as_json:
+        print(json.dumps(data, sort_keys=True))
+        return
+    console.print_json(json.dumps(data))
 
 
 @app.command()

@@ -86,36 +86,36 @@ async def insert_trajectories(conn: AsyncConnection, batch: Sequence[Accepted]) 
             driver: Any = raw.driver_connection
             await driver.copy_records_to_table(
                 "trajectories", columns=TRAJECTORY_COLUMNS, records=[_row(a) for a in batch])
-        failures = sum(a.trajectory.is_failure for a in batch)
+        failures = sum(a.row.is_failure for a in batch)
         return TrajectoryWrite(len(batch), failures, 0)
     except (UniqueViolationError, IntegrityError):
         return await _insert_skipping_duplicates(conn, batch)
 
 
 def _row(a: Accepted) -> tuple[Any, ...]:
-    t = a.trajectory
-    return (t.trajectory_id, t.agent, t.session_id, t.outcome.status, t.is_failure, t.model,
-            t.adapter_version, t.started_at, t.ended_at, a.source.topic, a.source.partition,
-            a.source.offset, a.record_json())
+    r = a.row
+    return (r.trajectory_id, r.agent, r.session_id, r.status, r.is_failure, r.model,
+            r.adapter_version, r.started_at, r.ended_at, a.source.topic, a.source.partition,
+            a.source.offset, a.record_json)
 
 
 async def _insert_skipping_duplicates(conn: AsyncConnection,
                                       batch: Sequence[Accepted]) -> TrajectoryWrite:
-    ts = [a.trajectory for a in batch]
+    rs = [a.row for a in batch]
     result = await conn.execute(_INSERT_TRAJECTORIES, {
-        "ids": [t.trajectory_id for t in ts],
-        "agents": [t.agent for t in ts],
-        "sessions": [t.session_id for t in ts],
-        "statuses": [t.outcome.status for t in ts],
-        "failures": [t.is_failure for t in ts],
-        "models": [t.model for t in ts],
-        "adapters": [t.adapter_version for t in ts],
-        "starts": [t.started_at for t in ts],
-        "ends": [t.ended_at for t in ts],
+        "ids": [r.trajectory_id for r in rs],
+        "agents": [r.agent for r in rs],
+        "sessions": [r.session_id for r in rs],
+        "statuses": [r.status for r in rs],
+        "failures": [r.is_failure for r in rs],
+        "models": [r.model for r in rs],
+        "adapters": [r.adapter_version for r in rs],
+        "starts": [r.started_at for r in rs],
+        "ends": [r.ended_at for r in rs],
         "topics": [a.source.topic for a in batch],
         "parts": [a.source.partition for a in batch],
         "offs": [a.source.offset for a in batch],
-        "records": [a.record_json() for a in batch],
+        "records": [a.record_json for a in batch],
     })
     flags = result.scalars().all()
     return TrajectoryWrite(len(flags), sum(flags), len(batch) - len(flags))

@@ -158,7 +158,12 @@ def build_task(t: Trajectory, c: Classification, *, retry: Trajectory | None = N
                                     "initial_state")
             from flywheel.environments.workplace import apply_calls
 
-            expected_state = apply_calls(initial, [c.model_dump() for c in calls])
+            try:
+                expected_state = apply_calls(initial, [c.model_dump() for c in calls],
+                                             strict=True)
+            except ValueError as err:
+                return Unverifiable(f"the expected actions do not apply to the initial state: "
+                                    f"{err}")
             messages = to_messages(t.items[:start])
             verifier = WorkplaceSpec(initial_state=initial, expected_state=expected_state,
                                      max_steps=max(8, 2 * len(calls)), unsafe_tools=unsafe)

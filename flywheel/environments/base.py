@@ -1,0 +1,141 @@
+"""The environment plugin contract: verify an attempt; optionally host multi-step sessions.
+
+An environment scores one attempt at a task with `verify(spec, output, tools=...)` and
+returns a `VerifierResult` (reward in [0, 1], named components, failure mode). An attempt
+that produced nothing scoreable raises `RolloutNotRun` instead: it is excluded from training
+and counted, never scored 0.
+
+Multi-step environments also host sessions: `reset` opens one, `step` applies one tool call
+and returns the observation, `session_output` gives what `verify` scores, `close` drops it.
+Session state lives in `Sessions`, keyed by session id, so two rollouts never share state.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Generic, TypeVar
+
+from flywheel.tasks import (
+    CodeSpec,
+    JudgeSpec,
+    TaskSpec,
+    ToolCallSpec,
+    VerifierResult,
+    WorkplaceSpec,
+)
+
+AnySpec = ToolCallSpec | WorkplaceSpec | CodeSpec | JudgeSpec
+ToolSchemas = Sequence[Mapping[str, Any]]
+"""OpenAI function-tool schemas, flat (`{"type": "function", "name": …, "parameters": …}`)."""
+
+S = TypeVar("S", bound=AnySpec)
+T = TypeVar("T")
+
+
+class Environment(ABC):
+    """One environment plugin. Instances may be shared by many concurrent rollouts."""
+
+    name: ClassVar[str]
+    multi_step: ClassVar[bool] = False
+
+    @abstractmethod
+    def verify(self, spec: AnySpec, output: object, *,
+               tools: ToolSchemas | None = None) -> VerifierResult:
+        """Score `output` against `spec`; raise `RolloutNotRun` when there is nothing to score.
+
+        `tools` are the task's tool schemas (types for argument matching, `x-unsafe` marks).
+        """
+
+    def verify_task(self, task: TaskSpec, output: object) -> VerifierResult:
+        """Score an attempt at `task` (its verifier spec and its tools)."""
+        return self.verify(task.verifier, output, tools=task.tools)
+
+    def reset(self, session_id: str, spec: AnySpec) -> None:
+        """Open session `session_id` on the task's initial state."""
+        raise NotImplementedError(self._single_step_message())
+
+    def step(self, session_id: str, name: str, arguments: Mapping[str, Any] | str) -> str:
+        """Apply one tool call in the session; return the observation the model sees."""
+        raise NotImplementedError(self._single_step_message())
+
+    def session_output(self, session_id: str) -> object:
+        """What `verify` scores for this session (e.g. the calls made)."""
+        raise NotImplementedError(self._single_step_message())
+
+    def close(self, session_id: str) -> None:
+        """Drop the session's state (idempotent)."""
+        raise NotImplementedError(self._single_step_message())
+
+    def _single_step_message(self) -> str:
+        return (f"environment {self.name!r} is single-step: score the model's output with "
+                f"verify(spec, output) instead of opening a session")
+
+
+def expect_spec(spec: AnySpec, cls: type[S], env: str) -> S:
+    """`spec` as `cls`, or a TypeError naming the mismatch (a task routed to the wrong env)."""
+    if not isinstance(spec, cls):
+        raise TypeError(f"environment {env!r} verifies {cls.__name__}, got "
+                        f"{type(spec).__name__}; check that TaskSpec.env matches verifier.kind")
+    return spec
+
+
+def result(reward: float, components: Mapping[str, float], failure_mode: Any,
+           **details: Any) -> VerifierResult:
+    """Build a VerifierResult with reward rounded to kill float noise (0.1+0.3+0.6 etc.)."""
+    return VerifierResult(reward=round(reward, 6), reward_components=dict(components),
+                          failure_mode=failure_mode, details=details)
+
+
+def _flat(tool: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A tool schema without the Chat Completions `{"function": {...}}` nesting."""
+    inner = tool.get("function")
+    if tool.get("type") == "function" and isinstance(inner, Mapping):
+        return {**inner, "x-unsafe": tool.get("x-unsafe", inner.get("x-unsafe", False))}
+    return tool
+
+
+def tool_by_name(tools: ToolSchemas, name: str) -> Mapping[str, Any] | None:
+    """The flat schema of tool `name`, or None when the task does not offer it."""
+    for tool in tools:
+        flat = _flat(tool)
+        if flat.get("name") == name:
+            return flat
+    return None
+
+
+def tool_names(tools: ToolSchemas) -> set[str]:
+    return {n for n in (_flat(t).get("name") for t in tools) if isinstance(n, str)}
+
+
+def unsafe_names(spec_unsafe: Sequence[str], tools: ToolSchemas | None) -> set[str]:
+    """Tools whose call is an unsafe action: listed in the spec or marked `x-unsafe`."""
+    marked = {_flat(t).get("name") for t in tools or [] if _flat(t).get("x-unsafe")}
+    return set(spec_unsafe) | {n for n in marked if isinstance(n, str)}
+
+
+class Sessions(Generic[T]):
+    """Per-rollout state keyed by session id; ids never collide silently."""
+
+    def __init__(self, env: str) -> None:
+        self._env = env
+        self._state: dict[str, T] = {}
+
+    def open(self, session_id: str, state: T) -> None:
+        if session_id in self._state:
+            raise ValueError(f"{self._env}: session {session_id!r} is already open; close it "
+                             f"first or use a fresh session id per rollout")
+        self._state[session_id] = state
+
+    def get(self, session_id: str) -> T:
+        try:
+            return self._state[session_id]
+        except KeyError:
+            raise KeyError(f"{self._env}: no open session {session_id!r}; call "
+                           f"reset(session_id, spec) first") from None
+
+    def close(self, session_id: str) -> None:
+        self._state.pop(session_id, None)
+
+    def __len__(self) -> int:
+        return len(self._state)
