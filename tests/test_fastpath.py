@@ -103,7 +103,8 @@ RAW_VALUES = [b"NaN", b"Infinity", b"-Infinity", b"1e400", b"-1e400", b"1" * MAX
               b"1" * (MAX_INT_DIGITS + 1), b"1" * (MAX_INT_DIGITS + 1) + b".5", b'"\xff"',
               b'"\xed\xa0\x80"', b'"\\ud800"', b'"\\ud800\\u0041"',
               b'"caf\xc3\xa9 \xf0\x9f\x98\x80"', b'"\\u0000"', b'{"a": 1, "a": "2"}', b"[1,]",
-              b"01", b'"\\x"', nested(300), nested(600), nested(1200)]
+              b"01", b'"\\x"', b'{"\\q": 1}', b'{"\\ud800": 1}', b'{"a\x01": 1}', b"[1 , 2 ]",
+              b"-0.0e-0", nested(300), nested(600), nested(1200)]
 RAW_PATHS: list[Path] = [("metadata", "x"), ("outcome", "zz"), ("tools", 0, "parameters", "x"),
                          ("items", 0, "content"), ("items", 1, "zz"), ("agent",),
                          ("usage", "input_tokens"), ("latency_ms",), ("started_at",)]
