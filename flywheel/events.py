@@ -107,8 +107,65 @@ class EvalSetFrozen(_Event):
     payload: EvalSetFrozenPayload
 
 
-Event = Annotated[DeadLettered | TrajectoriesIngested | TaskCreated | EvalSetFrozen,
-                  Field(discriminator="type")]
+class RolloutRequestedPayload(_Payload):
+    request_id: uuid.UUID
+    task_id: uuid.UUID
+    adapter_version: int | None
+    """Policy version to sample (None = the base model)."""
+
+
+class RolloutRequested(_Event):
+    """The scheduler asks for one group of attempts at a task."""
+
+    type: Literal["RolloutRequested"] = "RolloutRequested"
+    payload: RolloutRequestedPayload
+
+
+class Turn(_Payload):
+    """One model turn: exactly the tokens sampled and their sampling log-probs."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+
+
+class ScoredRollout(_Payload):
+    index: int
+    reward: float | None
+    """None when the attempt did not run (then `not_run` says why)."""
+    reward_components: dict[str, float]
+    failure_mode: str | None
+    not_run: str | None
+    turns: list[Turn]
+    latency_ms: float
+
+
+class GroupScoredPayload(_Payload):
+    group_id: uuid.UUID
+    task_id: uuid.UUID
+    env: str
+    adapter: str | None
+    """Served name that sampled the group (`<policy>@v<N>`), None = base model."""
+    adapter_version: int | None
+    temperature: float
+    rollouts: list[ScoredRollout]
+    reward_mean: float | None
+    reward_std: float | None
+    trainable: bool
+    worker: str
+
+
+class GroupScored(_Event):
+    """A group of G attempts was sampled and scored. Only trainable groups reach the trainer."""
+
+    type: Literal["GroupScored"] = "GroupScored"
+    payload: GroupScoredPayload
+
+
+Event = Annotated[DeadLettered | TrajectoriesIngested | TaskCreated | EvalSetFrozen
+                  | RolloutRequested | GroupScored, Field(discriminator="type")]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
 

@@ -10,6 +10,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -203,3 +204,81 @@ class EvalSetTaskRow(Base):
         Integer, ForeignKey("eval_sets.version"), primary_key=True)
     task_id: Mapped[uuid.UUID] = mapped_column(
         UUID(as_uuid=True), ForeignKey("tasks.task_id"), primary_key=True)
+
+
+class TaskStatsRow(Base):
+    """Per-task sampling record: drives selection (prefer 0 < success < 1) and retirement."""
+
+    __tablename__ = "task_stats"
+
+    task_id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("tasks.task_id"), primary_key=True)
+    groups: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    successes: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    not_run: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    retired: Mapped[str | None] = mapped_column(Text)
+    """Why the task is no longer sampled (`always_solved`, `never_solved`), or NULL."""
+    last_sampled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class RolloutRequestRow(Base):
+    """Work handed to rollout workers; one scored group answers one request."""
+
+    __tablename__ = "rollout_requests"
+
+    request_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    task_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), ForeignKey("tasks.task_id"))
+    adapter_version: Mapped[int | None] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(Text)
+    """`requested` → `done` | `failed`."""
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now())
+    done_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (Index("ix_rollout_requests_status", "status"),)
+
+
+class RolloutGroupRow(Base):
+    """A scored group of G attempts at one task by one policy version."""
+
+    __tablename__ = "rollout_groups"
+
+    group_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    task_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), ForeignKey("tasks.task_id"))
+    adapter_version: Mapped[int | None] = mapped_column(Integer)
+    """Policy version that sampled the group (NULL = the base model)."""
+    env: Mapped[str] = mapped_column(Text)
+    scored: Mapped[int] = mapped_column(Integer)
+    not_run: Mapped[int] = mapped_column(Integer)
+    reward_mean: Mapped[float | None] = mapped_column(Float)
+    reward_std: Mapped[float | None] = mapped_column(Float)
+    success_rate: Mapped[float | None] = mapped_column(Float)
+    trainable: Mapped[bool] = mapped_column(Boolean)
+    """False for zero-variance or too-small groups: recorded, never sent to training."""
+    rollouts: Mapped[list[dict[str, Any]]] = mapped_column(JSONB)
+    worker: Mapped[str] = mapped_column(Text)
+    duration_ms: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now())
+    trained_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        UniqueConstraint("task_id", "group_id", name="uq_rollout_groups_task_group"),
+        Index("ix_rollout_groups_backlog", "created_at",
+              postgresql_where=text("trainable AND trained_at IS NULL")),
+    )
+
+
+class AdapterVersionRow(Base):
+    """Registry of immutable adapter versions (written by the trainer, read by workers)."""
+
+    __tablename__ = "adapter_versions"
+
+    policy: Mapped[str] = mapped_column(Text, primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    path: Mapped[str] = mapped_column(Text)
+    """Directory of the PEFT adapter in the artifact store."""
+    parent_version: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now())

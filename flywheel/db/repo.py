@@ -140,10 +140,12 @@ async def insert_dead_letters(
     return [r for r in rejected if (r.source.topic, r.source.partition, r.source.offset) in new]
 
 
-async def append_events(conn: AsyncConnection, events: Sequence[tuple[Event, str]]) -> int:
+async def append_events(conn: AsyncConnection,
+                        events: Sequence[tuple[Event, str | None]]) -> int:
     """Append events and their outbox rows (topic per event) in the caller's transaction.
 
-    Idempotent on `event_id`: an event already recorded is neither appended nor re-queued.
+    A topic of None records the event without publishing it. Idempotent on `event_id`: an
+    event already recorded is neither appended nor re-queued.
     """
     if not events:
         return 0
@@ -156,7 +158,7 @@ async def append_events(conn: AsyncConnection, events: Sequence[tuple[Event, str
         "payloads": [e.payload.model_dump_json() for e, _ in events],
     })
     new = set(result.scalars().all())
-    fresh = [(e, topic) for e, topic in events if e.event_id in new]
+    fresh = [(e, topic) for e, topic in events if e.event_id in new and topic is not None]
     if fresh:
         await conn.execute(_INSERT_OUTBOX, {
             "ids": [e.event_id for e, _ in fresh],

@@ -1,0 +1,79 @@
+"""Rollout scheduler: keeps rollout workers supplied with the most useful tasks.
+
+Reads:      `tasks`, `task_stats`, `rollout_requests`, `rollout_groups` (backlog),
+            `adapter_versions` (the newest version is sampled).
+Writes:     `rollout_requests`, `events` + `outbox`.
+Publishes (through the outbox): `RolloutRequested` → `<prefix>.rollout.requests`.
+
+It tops up requests so that outstanding requests plus the untrained backlog stay within
+max_staleness × B groups: sampling never runs further ahead of training than that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import signal
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from flywheel.config import Settings
+from flywheel.db.engine import make_engine
+from flywheel.rollout import store
+from flywheel.rollout.select import pick_tasks
+from flywheel.runtime.endpoints import resolve_db_url
+
+log = logging.getLogger("flywheel.scheduler")
+
+
+async def schedule_once(engine: AsyncEngine, settings: Settings, rng: random.Random) -> int:
+    """Issue as many requests as the admission budget allows; returns how many."""
+    cfg = settings.rollout
+    budget = cfg.max_staleness * cfg.train_batch_groups
+    async with engine.begin() as conn:
+        await conn.execute(text("SELECT pg_advisory_xact_lock(hashtext('flywheel-scheduler'))"))
+        room = budget - await store.backlog(conn) - await store.outstanding(conn)
+        if room <= 0:
+            return 0
+        version = (await conn.execute(text(
+            "SELECT max(version) FROM adapter_versions WHERE policy = :p"),
+            {"p": cfg.policy})).scalar()
+        picked = pick_tasks(await store.candidate_stats(conn), room, rng,
+                            explore_share=cfg.explore_share, min_attempts=cfg.group_size)
+        await store.request_rollouts(conn, picked, version, settings.topics.rollout_requests)
+    return len(picked)
+
+
+async def run_scheduler(settings: Settings, stop: asyncio.Event) -> None:
+    engine = make_engine(resolve_db_url(settings), pool_size=1)
+    rng = random.Random()
+    try:
+        while not stop.is_set():
+            issued = await schedule_once(engine, settings, rng)
+            if issued:
+                log.info("requested %d rollout groups", issued)
+            try:
+                await asyncio.wait_for(stop.wait(), settings.rollout.scheduler_interval_s)
+            except TimeoutError:
+                pass
+    finally:
+        await engine.dispose()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+    async def runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await run_scheduler(Settings(), stop)
+
+    asyncio.run(runner())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The policy interface every engine implements, and the types it speaks.
+
+A policy turns chat messages into G sampled completions, each stamped with the adapter
+version that produced it and carrying the sampled token ids and their sampling log-probs
+(log-softmax of the logits divided by the temperature, at the sampled token), so the trainer
+never re-tokenizes text. Adapter versions are immutable: version N is served under the name
+`<policy>@v<N>` and never reloaded under the same name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+
+def served_name(policy: str, version: int) -> str:
+    """The immutable serving name of an adapter version."""
+    return f"{policy}@v{version}"
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """An adapter version to sample from; `None` in calls means the base model."""
+
+    policy: str
+    version: int
+    path: Path
+    """Directory holding the PEFT adapter (adapter_config.json + weights)."""
+
+    @property
+    def name(self) -> str:
+        return served_name(self.policy, self.version)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 8
+    """Group size G: completions per prompt."""
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    """Generation stops after any of these strings (kept in the text)."""
+    prefill: str = ""
+    """Text the assistant turn starts with (part of the prompt, not of the completion)."""
+    stop_at_json_end: bool = False
+    """Stop once `prefill + completion` closes its outermost JSON object."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    """The generated text, without the prefill."""
+    token_ids: list[int]
+    logprobs: list[float]
+    """Sampling log-prob of each generated token (same length as `token_ids`)."""
+    prompt_token_ids: list[int]
+    finish_reason: str
+    """"stop" (a stop condition or EOS) or "length"."""
+    adapter: str | None
+    """Served name of the adapter used (`<policy>@v<N>`), None for the base model."""
+    latency_ms: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class PolicyError(RuntimeError):
+    """The engine could not sample (after its own retries)."""
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """What rollout workers, the gate and the benchmarks call."""
+
+    async def sample(self, messages: Sequence[dict[str, Any]], params: SamplingParams, *,
+                     adapter: AdapterRef | None = None) -> list[Completion]:
+        """`params.n` completions for one chat prompt."""
+        ...
+
+    async def ensure_adapter(self, adapter: AdapterRef) -> None:
+        """Make `adapter` servable (load it everywhere it must be; verify); idempotent."""
+        ...
+
+    async def retire_adapter(self, adapter: AdapterRef) -> None:
+        """Stop serving a version (retention); never for production or baseline."""
+        ...
+
+    async def close(self) -> None: ...

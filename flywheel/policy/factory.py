@@ -1,0 +1,23 @@
+"""Build the configured policy engine (imports the heavy engine only when asked)."""
+
+from __future__ import annotations
+
+from flywheel.config import Settings
+from flywheel.policy.base import Policy
+
+
+def make_policy(settings: Settings) -> Policy:
+    cfg = settings.rollout
+    if cfg.engine == "vllm":
+        from flywheel.policy.vllm import VLLMPolicy
+
+        if not cfg.vllm_urls:
+            raise ValueError("rollout.engine is 'vllm' but no replica is configured: set "
+                             'FLYWHEEL_ROLLOUT__VLLM_URLS=\'["http://vllm-0:8000"]\'')
+        return VLLMPolicy(cfg.vllm_urls, model=cfg.vllm_model, policy_name=cfg.policy,
+                          retention=cfg.max_staleness + 1)
+    from flywheel.policy.local import LocalPolicy
+    from flywheel.policy.model_cache import default_model_dir
+
+    model_dir = cfg.model_dir or default_model_dir(settings.home / "models")
+    return LocalPolicy(model_dir, policy_name=cfg.policy)

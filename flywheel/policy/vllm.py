@@ -1,0 +1,445 @@
+"""The GPU policy engine: N vLLM replicas driven only through their public HTTP API.
+
+Owns adapter placement and routing. `ensure_adapter` loads an immutable version name
+(`<policy>@v<N>`) on every replica, verifies each through `/v1/models` and only then routes to
+it; a name already listed is never loaded again (reloading a name serves stale prefix-cache
+entries). Retention keeps the newest `retention` versions plus the pinned ones (production,
+baseline). `sample` sends one chat completion with `n = G` to the least-loaded healthy replica
+that serves the adapter and returns token ids and sampling log-probs exactly as vLLM sampled
+them (the server must run with `--logprobs-mode processed_logprobs`: see infra/vllm.md).
+
+`stop_at_json_end` is emulated: vLLM has no such stop condition, so generation runs with the
+usual stop list and the client cuts each completion where `prefill + text` closes its outermost
+JSON object. Text is cut at that character; tokens and log-probs are cut after the fewest
+tokens whose decoding (vLLM `/detokenize`, binary search) already closes the object, so the
+training tokens are exactly a prefix of what was sampled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import time
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+import httpx
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+from flywheel.policy.base import AdapterRef, Completion, PolicyError, SamplingParams, served_name
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_TOKEN_ID = "token_id:"
+
+
+class VLLMError(PolicyError):
+    """One replica answered with an HTTP error."""
+
+    def __init__(self, replica: str, status: int, message: str) -> None:
+        super().__init__(f"{replica} answered HTTP {status}: {message}")
+        self.replica, self.status, self.message = replica, status, message
+
+
+class _AdapterGone(PolicyError):
+    """A replica no longer serves an adapter it had (restart, eviction): try another one."""
+
+
+def is_retryable(exc_or_response: BaseException | httpx.Response) -> bool:
+    """Transient (retry with backoff): connection errors, timeouts, HTTP 5xx and 429."""
+    if isinstance(exc_or_response, httpx.Response):
+        status = exc_or_response.status_code
+        return status == 429 or status >= 500
+    if isinstance(exc_or_response, _AdapterGone):
+        return True
+    if isinstance(exc_or_response, VLLMError):
+        return exc_or_response.status == 429 or exc_or_response.status >= 500
+    return isinstance(exc_or_response, httpx.TransportError)
+
+
+def json_object_end(text: str) -> int | None:
+    """Index just past the `}` closing the first JSON object in `text`; None if it never closes."""
+    start = text.find("{")
+    if start < 0:
+        return None
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:500] or resp.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:  # current vLLM ErrorResponse
+            return str(err["message"])
+        for key in ("message", "detail"):  # older vLLM / FastAPI's own 404
+            if key in body:
+                return str(body[key])
+    return str(body)[:500]
+
+
+def _same_path(root: str | None, path: str) -> bool:
+    # vLLM lists the path it was given as `root`; a server that omits it cannot contradict us.
+    return root is None or os.path.normpath(root) == os.path.normpath(path)
+
+
+@dataclass(eq=False)
+class _Replica:
+    url: str
+    in_flight: int = 0
+    failures: int = 0
+    down_until: float = 0.0
+    adapters: dict[str, str] = field(default_factory=dict)
+    """Adapter names verified in this replica's /v1/models, with their paths."""
+
+
+class VLLMPolicy:
+    """A `Policy` over vLLM replicas; one instance manages the versions of one policy."""
+
+    def __init__(self, base_urls: Sequence[str], *, model: str, policy_name: str = "policy",
+                 timeout_s: float = 60, max_retries: int = 4, retention: int = 3,
+                 pinned: set[str] | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None, api_key: str | None = None,
+                 backoff_s: float = 0.5, cooldown_s: float = 30.0, verify_attempts: int = 5,
+                 verify_delay_s: float = 0.5) -> None:
+        if not base_urls:
+            raise ValueError("VLLMPolicy needs at least one replica URL")
+        if retention < 1:
+            raise ValueError(f"retention must be >= 1 (max staleness + 1), got {retention}")
+        self.model, self.policy_name, self.retention = model, policy_name, retention
+        self._replicas = [_Replica(url.rstrip("/")) for url in base_urls]
+        self._pinned: set[str] = set(pinned or ())
+        self._max_retries, self._backoff_s, self._cooldown_s = max_retries, backoff_s, cooldown_s
+        self._verify_attempts, self._verify_delay_s = verify_attempts, verify_delay_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(transport=transport, timeout=timeout_s, headers=headers)
+        self._admin = asyncio.Lock()  # loads/unloads are rare; serialising them avoids races
+        self._rr = 0
+
+    # -- pins ---------------------------------------------------------------------------------
+    @property
+    def pinned(self) -> frozenset[str]:
+        return frozenset(self._pinned)
+
+    def pin(self, name: str) -> None:
+        """Never unload `name` (production and baseline versions)."""
+        self._pinned.add(name)
+
+    def unpin(self, name: str) -> None:
+        self._pinned.discard(name)
+
+    # -- adapters ------------------------------------------------------------------------------
+    async def ensure_adapter(self, adapter: AdapterRef) -> None:
+        self._check_policy(adapter)
+        async with self._admin:
+            listings = await _fan_out([self._ensure_on(r, adapter) for r in self._replicas])
+            await self._enforce_retention(adapter.name, listings)
+
+    async def retire_adapter(self, adapter: AdapterRef) -> None:
+        self._check_policy(adapter)
+        if adapter.name in self._pinned:
+            raise PolicyError(f"{adapter.name} is pinned (production or baseline); unpin it "
+                              "before retiring it")
+        async with self._admin:
+            await self._unload_everywhere(adapter.name)
+
+    async def _ensure_on(self, r: _Replica, adapter: AdapterRef) -> dict[str, str | None]:
+        name, path = adapter.name, str(adapter.path)
+        listing = await self._listing(r)
+        if name in listing:
+            self._check_root(r, name, listing[name], path)
+        else:
+            try:
+                await self._call_retrying(r, "POST", "/v1/load_lora_adapter",
+                                          {"lora_name": name, "lora_path": path})
+                log.info("loaded %s from %s on %s", name, path, r.url)
+            except VLLMError as e:
+                # "already been loaded": a concurrent loader won; verification checks its path.
+                if not (e.status == 400 and "already" in e.message):
+                    raise self._admin_error(e, f"loading {name} from {path}") from e
+            listing = await self._verify(r, name, path)
+        r.adapters[name] = path
+        return listing
+
+    async def _verify(self, r: _Replica, name: str, path: str) -> dict[str, str | None]:
+        for attempt in range(self._verify_attempts):
+            listing = await self._listing(r)
+            if name in listing:
+                self._check_root(r, name, listing[name], path)
+                return listing
+            await asyncio.sleep(self._verify_delay_s * (attempt + 1))
+        raise PolicyError(f"replica {r.url} accepted {name} but does not list it in /v1/models "
+                          f"after {self._verify_attempts} checks; not routing to it")
+
+    def _check_root(self, r: _Replica, name: str, root: str | None, path: str) -> None:
+        if not _same_path(root, path):
+            raise PolicyError(f"replica {r.url} serves {name} from {root}, not {path}: a version "
+                              "name is immutable; publish the new weights as a new version")
+
+    async def _enforce_retention(self, keep: str, listings: list[dict[str, str | None]]) -> None:
+        pattern = re.compile(rf"^{re.escape(self.policy_name)}@v(\d+)$")
+        versions = sorted({int(m.group(1)) for listing in listings for name in listing
+                           if (m := pattern.match(name))})
+        newest = set(versions[-self.retention:])
+        for version in versions:
+            name = served_name(self.policy_name, version)
+            if version in newest or name == keep or name in self._pinned:
+                continue
+            try:
+                await self._unload_everywhere(name)
+            except PolicyError as e:
+                # The new version is already servable; a failed cleanup is retried next time.
+                log.warning("retention could not unload %s: %s", name, e)
+
+    async def _unload_everywhere(self, name: str) -> None:
+        async def unload(r: _Replica) -> None:
+            r.adapters.pop(name, None)  # stop routing here before the server drops it
+            try:
+                await self._call_retrying(r, "POST", "/v1/unload_lora_adapter", {"lora_name": name})
+                log.info("unloaded %s on %s", name, r.url)
+            except VLLMError as e:
+                if not (e.status in (400, 404) and "cannot be found" in e.message):
+                    raise self._admin_error(e, f"unloading {name}") from e
+
+        await _fan_out([unload(r) for r in self._replicas])
+
+    def _admin_error(self, e: VLLMError, what: str) -> PolicyError:
+        if e.status == 404 and e.message.strip() == "Not Found":
+            return PolicyError(f"{what} on {e.replica}: runtime LoRA updates are disabled; start "
+                               "vLLM with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
+        return PolicyError(f"{what} on {e.replica} failed (HTTP {e.status}): {e.message}; is the "
+                           "adapter directory visible at the same path on every replica?")
+
+    def _check_policy(self, adapter: AdapterRef) -> None:
+        if adapter.policy != self.policy_name:
+            raise PolicyError(f"{adapter.name} belongs to policy {adapter.policy!r}; this "
+                              f"VLLMPolicy manages {self.policy_name!r}")
+
+    async def _listing(self, r: _Replica) -> dict[str, str | None]:
+        data = await self._call_retrying(r, "GET", "/v1/models")
+        return {card["id"]: card.get("root") for card in data.get("data", [])}
+
+    async def _serving(self, adapter: AdapterRef) -> list[_Replica]:
+        """Replicas verified to serve `adapter`; asks /v1/models once when none is known."""
+        serving = [r for r in self._replicas if adapter.name in r.adapters]
+        if serving:
+            return serving
+        results = await asyncio.gather(*(self._listing(r) for r in self._replicas),
+                                       return_exceptions=True)
+        for r, listing in zip(self._replicas, results, strict=True):
+            if isinstance(listing, dict) and adapter.name in listing:
+                self._check_root(r, adapter.name, listing[adapter.name], str(adapter.path))
+                r.adapters[adapter.name] = str(adapter.path)
+        serving = [r for r in self._replicas if adapter.name in r.adapters]
+        if not serving:
+            raise PolicyError(f"{adapter.name} is not loaded on any replica; call "
+                              "ensure_adapter first")
+        return serving
+
+    # -- sampling ------------------------------------------------------------------------------
+    async def sample(self, messages: Sequence[dict[str, Any]], params: SamplingParams, *,
+                     adapter: AdapterRef | None = None) -> list[Completion]:
+        if params.n < 1:
+            raise PolicyError(f"SamplingParams.n must be >= 1, got {params.n}")
+        model = adapter.name if adapter else self.model
+        candidates = await self._serving(adapter) if adapter else self._replicas
+        body = _chat_body(messages, params, model)
+        started = time.monotonic()
+        data, r = await self._post_chat(body, candidates, adapter)
+        latency_ms = (time.monotonic() - started) * 1000
+        prompt_ids = data.get("prompt_token_ids")  # vLLM >= 0.10.2 with return_token_ids
+        if prompt_ids is None:
+            tok = await self._call_retrying(r, "POST", "/tokenize", {
+                k: body[k] for k in ("model", "messages", "add_generation_prompt",
+                                     "continue_final_message") if k in body})
+            prompt_ids = tok["tokens"]
+        out = [_completion(c, list(prompt_ids), adapter.name if adapter else None, latency_ms,
+                           r.url) for c in sorted(data["choices"], key=lambda c: c["index"])]
+        if params.stop_at_json_end:
+            out = await asyncio.gather(*(self._cut_at_json_end(r, c, params.prefill, model)
+                                         for c in out))
+        return list(out)
+
+    async def _post_chat(self, body: dict[str, Any], candidates: list[_Replica],
+                         adapter: AdapterRef | None) -> tuple[dict[str, Any], _Replica]:
+        tried: set[_Replica] = set()
+        try:
+            async for attempt in self._retrying():
+                with attempt:
+                    pool = [r for r in candidates if adapter is None or adapter.name in r.adapters]
+                    if not pool:
+                        raise PolicyError(f"no replica serves {body['model']} any more; call "
+                                          "ensure_adapter again")
+                    r = self._pick(pool, avoid=tried)
+                    tried.add(r)
+                    try:
+                        return await self._call(r, "POST", "/v1/chat/completions", body), r
+                    except VLLMError as e:
+                        if adapter is not None and e.status == 404:
+                            r.adapters.pop(adapter.name, None)
+                            raise _AdapterGone(f"{r.url} lost {adapter.name}: {e.message}") from e
+                        raise
+        except (httpx.TransportError, _AdapterGone) as e:
+            raise PolicyError(f"sampling {body['model']} failed on every replica tried "
+                              f"({len(tried)}): {e!r}") from e
+        raise AssertionError("unreachable: tenacity re-raises the last error")
+
+    async def _cut_at_json_end(self, r: _Replica, c: Completion, prefill: str,
+                               model: str) -> Completion:
+        end = json_object_end(prefill + c.text)
+        if end is None or end - len(prefill) >= len(c.text):
+            return c  # never closed, or closed exactly at the end: nothing to cut
+        cut = max(0, end - len(prefill))
+
+        async def closes(k: int) -> bool:
+            if k == 0:
+                return json_object_end(prefill) is not None
+            data = await self._call_retrying(r, "POST", "/detokenize",
+                                             {"model": model, "tokens": c.token_ids[:k]})
+            return json_object_end(prefill + data["prompt"]) is not None
+
+        lo, hi = 0, len(c.token_ids)
+        while lo < hi:  # fewest tokens whose decoding already closes the object
+            mid = (lo + hi) // 2
+            if await closes(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return replace(c, text=c.text[:cut], token_ids=c.token_ids[:lo],
+                       logprobs=c.logprobs[:lo], finish_reason="stop",
+                       extra={**c.extra, "cut_at_json_end": len(c.token_ids) - lo})
+
+    # -- transport -----------------------------------------------------------------------------
+    def _retrying(self) -> AsyncRetrying:
+        return AsyncRetrying(
+            retry=retry_if_exception(is_retryable), stop=stop_after_attempt(self._max_retries + 1),
+            wait=wait_exponential_jitter(initial=self._backoff_s, max=self._backoff_s * 16,
+                                         jitter=self._backoff_s),
+            reraise=True)
+
+    def _pick(self, pool: list[_Replica], avoid: set[_Replica]) -> _Replica:
+        """Least-loaded healthy replica, round-robin among equals; avoids ones that just failed."""
+        now = time.monotonic()
+        healthy = [r for r in pool if r not in avoid and r.down_until <= now]
+        choices = healthy or [r for r in pool if r not in avoid] or pool
+        self._rr += 1
+        start = self._rr % len(choices)
+        return min(choices[start:] + choices[:start], key=lambda r: r.in_flight)
+
+    async def _call_retrying(self, r: _Replica, method: str, path: str,
+                             body: dict[str, Any] | None = None) -> Any:
+        """One replica, with retries: fan-out operations must reach this replica, not another."""
+        try:
+            async for attempt in self._retrying():
+                with attempt:
+                    return await self._call(r, method, path, body)
+        except httpx.TransportError as e:
+            raise PolicyError(f"replica {r.url} unreachable for {method} {path}: {e!r}") from e
+        raise AssertionError("unreachable: tenacity re-raises the last error")
+
+    async def _call(self, r: _Replica, method: str, path: str,
+                    body: dict[str, Any] | None = None) -> Any:
+        """One attempt; keeps the replica's load and health counters."""
+        r.in_flight += 1
+        try:
+            resp = await self._client.request(method, r.url + path, json=body)
+        except httpx.TransportError:
+            self._mark_failure(r)
+            raise
+        finally:
+            r.in_flight -= 1
+        if resp.status_code >= 400:
+            if is_retryable(resp):
+                self._mark_failure(r)
+            raise VLLMError(r.url, resp.status_code, _error_message(resp))
+        r.failures = 0
+        try:
+            return resp.json()
+        except ValueError:
+            return resp.text  # load/unload answer plain text
+
+    def _mark_failure(self, r: _Replica) -> None:
+        r.failures += 1
+        if r.failures >= 2:  # one blip is noise; a second in a row benches the replica
+            r.down_until = time.monotonic() + self._cooldown_s
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def _chat_body(messages: Sequence[dict[str, Any]], p: SamplingParams, model: str) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model, "messages": list(messages), "n": p.n, "max_tokens": p.max_tokens,
+        "temperature": p.temperature, "top_p": p.top_p, "logprobs": True,
+        "return_tokens_as_token_ids": True, "return_token_ids": True,
+        # SamplingParams keeps stop strings in the text; vLLM drops them by default.
+        "include_stop_str_in_output": True,
+    }
+    if p.seed is not None:
+        body["seed"] = p.seed  # vLLM gives sample i of the group seed + i
+    if p.stop:
+        body["stop"] = list(p.stop)
+    if p.prefill:
+        body["messages"].append({"role": "assistant", "content": p.prefill})
+        body["continue_final_message"], body["add_generation_prompt"] = True, False
+    return body
+
+
+def _completion(choice: dict[str, Any], prompt_ids: list[int], adapter: str | None,
+                latency_ms: float, replica: str) -> Completion:
+    content = (choice.get("logprobs") or {}).get("content")
+    if content is None:
+        raise PolicyError(f"{replica} returned no logprobs; Flywheel needs vLLM's logprobs=True")
+    logprobs = [float(e["logprob"]) for e in content]
+    if all(e["token"].startswith(_TOKEN_ID) for e in content):
+        token_ids = [int(e["token"][len(_TOKEN_ID):]) for e in content]
+    elif len(choice.get("token_ids") or ()) == len(content):
+        token_ids = list(choice["token_ids"])
+    else:
+        raise PolicyError(f"{replica} returned tokens as text, not 'token_id:N'; it ignored "
+                          "return_tokens_as_token_ids (is it vLLM?)")
+    reason = choice.get("finish_reason")
+    return Completion(
+        text=(choice.get("message") or {}).get("content") or "", token_ids=token_ids,
+        logprobs=logprobs, prompt_token_ids=prompt_ids,
+        finish_reason="length" if reason == "length" else "stop", adapter=adapter,
+        latency_ms=latency_ms,
+        extra={"replica": replica, "finish_reason": reason,
+               "stop_reason": choice.get("stop_reason")})
+
+
+async def _fan_out(calls: Sequence[Awaitable[T]]) -> list[T]:
+    """Run every call to the end (no replica is left half-done); raise all failures together."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    errors = [e for e in results if isinstance(e, BaseException)]
+    for e in errors:
+        if not isinstance(e, Exception):
+            raise e  # cancellation and friends
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise PolicyError("; ".join(str(e) for e in errors)) from errors[0]
+    return [r for r in results if not isinstance(r, BaseException)]

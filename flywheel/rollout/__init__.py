@@ -1,0 +1,1 @@
+"""Rollouts: prompts for each environment, the agent loop, group scoring, task selection."""

@@ -1,0 +1,176 @@
+"""The agent loop: sample a group of G attempts at a task and score each with its verifier.
+
+Single-step environments (tool_call, code) sample the whole group in one batched call.
+Multi-step environments (workplace) run G independent episodes — model → tool call →
+environment → … — each under its own deadline, so one straggler cannot hold the group: it
+is recorded as not run (`timeout`) and excluded, never scored 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from flywheel.environments.base import Environment
+from flywheel.environments.tool_call import InvalidCall, parse_tool_call
+from flywheel.events import ScoredRollout, Turn
+from flywheel.policy.base import AdapterRef, Completion, Policy, PolicyError, SamplingParams
+from flywheel.rollout.prompt import Prompt, build_prompt
+from flywheel.tasks import RolloutNotRun, TaskSpec, VerifierResult
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    group_size: int = 8
+    max_tokens: int = 64
+    temperature: float = 1.0
+    max_steps: int = 8
+    rollout_timeout_s: float = 120.0
+    min_scored: int = 2
+
+
+@dataclass(frozen=True)
+class GroupOutcome:
+    rollouts: list[ScoredRollout]
+    reward_mean: float | None
+    reward_std: float | None
+    success_rate: float | None
+    trainable: bool
+    duration_ms: float
+
+    @property
+    def scored(self) -> list[ScoredRollout]:
+        return [r for r in self.rollouts if r.reward is not None]
+
+
+def _turn(c: Completion) -> Turn:
+    return Turn(prompt_token_ids=c.prompt_token_ids, token_ids=c.token_ids,
+                logprobs=c.logprobs, text=c.text, finish_reason=c.finish_reason)
+
+
+def _scored(index: int, result: VerifierResult | RolloutNotRun, turns: list[Turn],
+            started: float) -> ScoredRollout:
+    latency = (time.perf_counter() - started) * 1000
+    if isinstance(result, RolloutNotRun):
+        return ScoredRollout(index=index, reward=None, reward_components={}, failure_mode=None,
+                             not_run=result.kind, turns=turns, latency_ms=latency)
+    return ScoredRollout(index=index, reward=result.reward,
+                         reward_components=result.reward_components,
+                         failure_mode=result.failure_mode, not_run=None, turns=turns,
+                         latency_ms=latency)
+
+
+async def _verify(env: Environment, task: TaskSpec, output: Any,
+                  timeout: float) -> VerifierResult | RolloutNotRun:
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(env.verify_task, task, output), timeout)
+    except RolloutNotRun as err:
+        return err
+    except TimeoutError:
+        return RolloutNotRun("timeout", f"verifier did not finish in {timeout:.0f}s")
+
+
+async def _single_step(policy: Policy, task: TaskSpec, env: Environment, prompt: Prompt,
+                       cfg: GroupConfig, adapter: AdapterRef | None, seed: int
+                       ) -> list[ScoredRollout]:
+    started = time.perf_counter()
+    params = SamplingParams(n=cfg.group_size, max_tokens=cfg.max_tokens,
+                            temperature=cfg.temperature, seed=seed, stop=prompt.stop,
+                            prefill=prompt.prefill, stop_at_json_end=prompt.stop_at_json_end)
+    try:
+        completions = await asyncio.wait_for(
+            policy.sample(prompt.messages, params, adapter=adapter), cfg.rollout_timeout_s)
+    except TimeoutError:
+        failed = RolloutNotRun("timeout", f"sampling exceeded {cfg.rollout_timeout_s:.0f}s")
+        return [_scored(i, failed, [], started) for i in range(cfg.group_size)]
+    except PolicyError as err:
+        failed = RolloutNotRun("crash", str(err))
+        return [_scored(i, failed, [], started) for i in range(cfg.group_size)]
+    results = await asyncio.gather(*(
+        _verify(env, task, prompt.prefill + c.text, cfg.rollout_timeout_s)
+        for c in completions))
+    return [_scored(i, r, [_turn(c)], started)
+            for i, (c, r) in enumerate(zip(completions, results, strict=True))]
+
+
+async def _episode(policy: Policy, task: TaskSpec, env: Environment, prompt: Prompt,
+                   cfg: GroupConfig, adapter: AdapterRef | None, seed: int, index: int,
+                   session_id: str, turns: list[Turn]) -> VerifierResult | RolloutNotRun:
+    env.reset(session_id, task.verifier)
+    try:
+        messages = list(prompt.messages)
+        for step in range(cfg.max_steps):
+            params = SamplingParams(n=1, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                                    seed=seed + 1000 * index + step, prefill=prompt.prefill,
+                                    stop_at_json_end=prompt.stop_at_json_end)
+            try:
+                (c,) = await policy.sample(messages, params, adapter=adapter)
+            except PolicyError as err:
+                return RolloutNotRun("crash", str(err))
+            turns.append(_turn(c))
+            text = prompt.prefill + c.text
+            if _is_final(text):
+                break
+            try:
+                name, args, _ = parse_tool_call(text)
+                observation = await asyncio.to_thread(env.step, session_id, name, args)
+            except InvalidCall as err:
+                observation = f"error: {err}"
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": f"Result: {observation}"}]
+        return await _verify(env, task, env.session_output(session_id), cfg.rollout_timeout_s)
+    finally:
+        env.close(session_id)
+
+
+def _is_final(text: str) -> bool:
+    try:
+        obj, _ = json.JSONDecoder().raw_decode(text.strip())
+    except json.JSONDecodeError:
+        return False
+    return isinstance(obj, dict) and "final" in obj and "tool" not in obj
+
+
+async def _multi_step(policy: Policy, task: TaskSpec, env: Environment, prompt: Prompt,
+                      cfg: GroupConfig, adapter: AdapterRef | None, seed: int, group_key: str
+                      ) -> list[ScoredRollout]:
+    async def guarded(i: int) -> ScoredRollout:
+        started = time.perf_counter()
+        turns: list[Turn] = []
+        try:
+            result = await asyncio.wait_for(
+                _episode(policy, task, env, prompt, cfg, adapter, seed, i, f"{group_key}/{i}",
+                         turns), cfg.rollout_timeout_s)
+        except TimeoutError:
+            result = RolloutNotRun("timeout", f"episode exceeded {cfg.rollout_timeout_s:.0f}s")
+        return _scored(i, result, turns, started)
+
+    return list(await asyncio.gather(*(guarded(i) for i in range(cfg.group_size))))
+
+
+async def run_group(policy: Policy, task: TaskSpec, env: Environment, cfg: GroupConfig, *,
+                    adapter: AdapterRef | None, seed: int, group_key: str) -> GroupOutcome:
+    started = time.perf_counter()
+    prompt = build_prompt(task)
+    if prompt.multi_step:
+        rollouts = await _multi_step(policy, task, env, prompt, cfg, adapter, seed, group_key)
+    else:
+        rollouts = await _single_step(policy, task, env, prompt, cfg, adapter, seed)
+    return summarize(rollouts, cfg.min_scored, (time.perf_counter() - started) * 1000)
+
+
+def summarize(rollouts: list[ScoredRollout], min_scored: int, duration_ms: float
+              ) -> GroupOutcome:
+    """Group statistics; zero-variance or too-small groups carry no GRPO signal."""
+    rewards = [r.reward for r in rollouts if r.reward is not None]
+    if not rewards:
+        return GroupOutcome(rollouts, None, None, None, False, duration_ms)
+    std = statistics.pstdev(rewards) if len(rewards) > 1 else 0.0
+    success = sum(1 for r in rollouts if r.reward is not None and r.failure_mode is None
+                  and r.reward >= 1.0) / len(rewards)
+    return GroupOutcome(rollouts, statistics.fmean(rewards), std, success,
+                        len(rewards) >= min_scored and std > 0, duration_ms)

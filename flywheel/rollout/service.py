@@ -1,0 +1,99 @@
+"""One rollout request, end to end, for the worker: load, admit, sample, score, record."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+import zlib
+from pathlib import Path
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from flywheel.config import Settings
+from flywheel.environments import load_environment
+from flywheel.events import RolloutRequestedPayload
+from flywheel.mining.store import HoldoutRefused, training_tasks
+from flywheel.policy.base import AdapterRef, Policy
+from flywheel.rollout import store
+from flywheel.rollout.loop import GroupConfig, GroupOutcome, run_group
+
+log = logging.getLogger("flywheel.rollout")
+
+
+def group_config(settings: Settings) -> GroupConfig:
+    r = settings.rollout
+    return GroupConfig(group_size=r.group_size, max_tokens=r.max_tokens,
+                       temperature=r.temperature, max_steps=r.max_steps,
+                       rollout_timeout_s=r.rollout_timeout_s, min_scored=r.min_scored)
+
+
+async def resolve_adapter(engine: AsyncEngine, policy: str, version: int | None
+                          ) -> AdapterRef | None:
+    if version is None:
+        return None
+    async with engine.connect() as conn:
+        path = (await conn.execute(text(
+            "SELECT path FROM adapter_versions WHERE policy = :p AND version = :v"),
+            {"p": policy, "v": version})).scalar()
+    if path is None:
+        raise LookupError(f"adapter {policy}@v{version} is not registered")
+    return AdapterRef(policy, version, Path(path))
+
+
+async def wait_for_admission(engine: AsyncEngine, settings: Settings,
+                             poll_s: float = 1.0) -> float:
+    """Block while the untrained backlog is at its bound; returns seconds waited."""
+    budget = settings.rollout.max_staleness * settings.rollout.train_batch_groups
+    waited = 0.0
+    while True:
+        async with engine.connect() as conn:
+            if await store.backlog(conn) < budget:
+                return waited
+        await asyncio.sleep(poll_s)
+        waited += poll_s
+
+
+async def handle_request(req: RolloutRequestedPayload, *, engine: AsyncEngine, policy: Policy,
+                         settings: Settings, worker: str) -> GroupOutcome | None:
+    """Sample and record the group for `req`; None when there is nothing to do."""
+    group_id = req.request_id
+    async with engine.begin() as conn:
+        if await store.already_scored(conn, group_id):
+            return None
+        try:
+            tasks = await training_tasks(conn, task_ids=[req.task_id], limit=1)
+        except HoldoutRefused as err:
+            log.error("refusing rollout request %s: %s", group_id, err)
+            tasks = []
+        if not tasks:
+            await conn.execute(text("""UPDATE rollout_requests SET status = 'failed',
+                                       done_at = now() WHERE request_id = :g"""), {"g": group_id})
+            return None
+    task = tasks[0]
+    waited = await wait_for_admission(engine, settings)
+    if waited:
+        log.info("admission: waited %.0fs for the trainer to drain the backlog", waited)
+    adapter = await resolve_adapter(engine, settings.rollout.policy, req.adapter_version)
+    if adapter is not None:
+        await policy.ensure_adapter(adapter)
+    cfg = group_config(settings)
+    seed = zlib.crc32(group_id.bytes)
+    outcome = await run_group(policy, task, load_environment(task.env), cfg, adapter=adapter,
+                              seed=seed, group_key=str(group_id))
+    async with engine.begin() as conn:
+        await store.record_group(
+            conn, group_id=group_id, task=task, outcome=outcome,
+            adapter=adapter.name if adapter else None, adapter_version=req.adapter_version,
+            temperature=cfg.temperature, worker=worker,
+            retire_after=settings.rollout.retire_after,
+            rollouts_topic=settings.topics.rollouts)
+    return outcome
+
+
+def worker_name() -> str:
+    import os
+    import socket
+
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:4]}"
