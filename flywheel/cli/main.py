@@ -305,6 +305,24 @@ def verify_profile(
     console.print_json(json.dumps(data))
 
 
+@bench_app.command("rollout")
+def bench_rollout(
+    groups: Annotated[int, typer.Option(help="Groups to sample on each side.")] = 6,
+    group_size: Annotated[int, typer.Option(help="G: completions per group.")] = 8,
+    max_tokens: Annotated[int, typer.Option(help="Token limit per completion.")] = 32,
+    as_json: JsonOpt = False,
+) -> None:
+    """Groups through the rollout worker vs the engine directly (same prompts and seeds)."""
+    from flywheel.bench.rollout import run_bench
+
+    result = run_bench(groups, group_size=group_size, max_tokens=max_tokens)
+    if as_json:
+        print(json.dumps(result, sort_keys=True))
+    else:
+        for k, v in result.items():
+            console.print(f"{k:>26}: {v}")
+
+
 @app.command()
 def demo() -> None:
     """The main job on the embedded default (grows with each pipeline stage)."""

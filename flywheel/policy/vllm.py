@@ -27,9 +27,22 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import httpx
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential,
+    wait_random,
+)
 
-from flywheel.policy.base import AdapterRef, Completion, PolicyError, SamplingParams, served_name
+from flywheel.policy.base import (
+    AdapterRef,
+    Completion,
+    PolicyError,
+    SamplingParams,
+    json_object_end,
+    served_name,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,32 +71,6 @@ def is_retryable(exc_or_response: BaseException | httpx.Response) -> bool:
     if isinstance(exc_or_response, VLLMError):
         return exc_or_response.status == 429 or exc_or_response.status >= 500
     return isinstance(exc_or_response, httpx.TransportError)
-
-
-def json_object_end(text: str) -> int | None:
-    """Index just past the `}` closing the first JSON object in `text`; None if it never closes."""
-    start = text.find("{")
-    if start < 0:
-        return None
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
 
 
 def _error_message(resp: httpx.Response) -> str:
@@ -155,7 +142,14 @@ class VLLMPolicy:
     async def ensure_adapter(self, adapter: AdapterRef) -> None:
         self._check_policy(adapter)
         async with self._admin:
-            listings = await _fan_out([self._ensure_on(r, adapter) for r in self._replicas])
+            # Check every replica before loading anywhere: a name served from another path is
+            # a broken invariant, and a half-done placement must not become routable.
+            listings = await _fan_out([self._listing(r) for r in self._replicas])
+            for r, listing in zip(self._replicas, listings, strict=True):
+                if adapter.name in listing:
+                    self._check_root(r, adapter.name, listing[adapter.name], str(adapter.path))
+            pairs = zip(self._replicas, listings, strict=True)
+            listings = await _fan_out([self._place(r, adapter, listing) for r, listing in pairs])
             await self._enforce_retention(adapter.name, listings)
 
     async def retire_adapter(self, adapter: AdapterRef) -> None:
@@ -166,12 +160,11 @@ class VLLMPolicy:
         async with self._admin:
             await self._unload_everywhere(adapter.name)
 
-    async def _ensure_on(self, r: _Replica, adapter: AdapterRef) -> dict[str, str | None]:
+    async def _place(self, r: _Replica, adapter: AdapterRef,
+                     listing: dict[str, str | None]) -> dict[str, str | None]:
+        """Load `adapter` on `r` unless it is listed there already, then verify the listing."""
         name, path = adapter.name, str(adapter.path)
-        listing = await self._listing(r)
-        if name in listing:
-            self._check_root(r, name, listing[name], path)
-        else:
+        if name not in listing:
             try:
                 await self._call_retrying(r, "POST", "/v1/load_lora_adapter",
                                           {"lora_name": name, "lora_path": path})
@@ -249,10 +242,12 @@ class VLLMPolicy:
             return serving
         results = await asyncio.gather(*(self._listing(r) for r in self._replicas),
                                        return_exceptions=True)
-        for r, listing in zip(self._replicas, results, strict=True):
-            if isinstance(listing, dict) and adapter.name in listing:
-                self._check_root(r, adapter.name, listing[adapter.name], str(adapter.path))
-                r.adapters[adapter.name] = str(adapter.path)
+        found = [(r, listing[adapter.name]) for r, listing in zip(self._replicas, results,
+                 strict=True) if isinstance(listing, dict) and adapter.name in listing]
+        for r, root in found:  # all checked before any is routed to
+            self._check_root(r, adapter.name, root, str(adapter.path))
+        for r, _ in found:
+            r.adapters[adapter.name] = str(adapter.path)
         serving = [r for r in self._replicas if adapter.name in r.adapters]
         if not serving:
             raise PolicyError(f"{adapter.name} is not loaded on any replica; call "
@@ -336,8 +331,9 @@ class VLLMPolicy:
     def _retrying(self) -> AsyncRetrying:
         return AsyncRetrying(
             retry=retry_if_exception(is_retryable), stop=stop_after_attempt(self._max_retries + 1),
-            wait=wait_exponential_jitter(initial=self._backoff_s, max=self._backoff_s * 16,
-                                         jitter=self._backoff_s),
+            # exponential backoff with jitter, spelled portably across tenacity 8 and 9
+            wait=wait_exponential(multiplier=self._backoff_s, max=self._backoff_s * 16)
+            + wait_random(0, self._backoff_s),
             reraise=True)
 
     def _pick(self, pool: list[_Replica], avoid: set[_Replica]) -> _Replica:

@@ -1,0 +1,168 @@
+"""`flywheel bench rollout`: groups through the rollout worker vs the engine called directly.
+
+Both sides sample the same tool_call prompts with the same group size, token limit and
+seeds, in the same run. The worker side goes through everything a production group does:
+the request on Kafka, the worker's consumer, task loading, admission, verification, the
+group record and its event in Postgres. Reports completions/s and tokens/s for both and
+`overhead_ratio` = direct throughput / worker throughput (target ≤ 1.10).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from flywheel.config import DbSettings, KafkaSettings, RolloutSettings, Settings, settings_env
+from flywheel.db import migrate
+from flywheel.db.engine import make_engine
+from flywheel.kafka import ensure_topics
+from flywheel.mining.service import mine_batch
+from flywheel.policy.base import SamplingParams
+from flywheel.rollout.prompt import build_prompt
+from flywheel.rollout.store import request_rollouts
+from flywheel.runtime.broker import LocalBroker, free_port
+from flywheel.runtime.postgres import LocalPostgres
+from flywheel.schemas import parse_trajectory
+from flywheel.simulate import simulate
+from flywheel.tasks import TaskSpec
+
+
+async def _tasks(db_url: str, n: int) -> list[TaskSpec]:
+    engine = make_engine(db_url)
+    async with engine.begin() as conn:
+        records = simulate(40 * n, agents=1, failure_rate=0.8, seed=7)
+        await mine_batch(conn, [parse_trajectory(r) for r in records], holdout_fraction=0.0,
+                         tasks_topic="bench.tasks")
+        from sqlalchemy import text
+
+        rows = (await conn.execute(text(
+            "SELECT spec FROM tasks WHERE env = 'tool_call' ORDER BY task_id LIMIT :n"),
+            {"n": n})).scalars()
+        tasks = [TaskSpec.model_validate(r) for r in rows]
+    await engine.dispose()
+    return tasks
+
+
+async def _worker_side(settings: Settings, tasks: list[TaskSpec], log: Path) -> dict[str, Any]:
+    assert settings.db.url
+    dsn = settings.db.url.replace("+asyncpg", "")
+    env = {**os.environ, **settings_env(settings)}
+    procs = [subprocess.Popen([sys.executable, "-m", m], env=env, stdout=open(log, "ab"),
+                              stderr=subprocess.STDOUT)
+             for m in ("consumers.rollout", "producers.relay")]
+    engine = make_engine(settings.db.url)
+    conn = await asyncpg.connect(dsn)
+    try:
+        async def done() -> int:
+            return int(await conn.fetchval("SELECT count(*) FROM rollout_groups"))
+
+        async def submit(batch: list[TaskSpec]) -> None:
+            async with engine.begin() as c:
+                await request_rollouts(c, [t.task_id for t in batch], None,
+                                       settings.topics.rollout_requests)
+
+        await submit(tasks[:1])  # warm-up: model loaded, group joined
+        while await done() < 1:
+            if any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"a bench service died; see {log}")
+            await asyncio.sleep(0.1)
+        t0 = time.perf_counter()
+        await submit(tasks[1:])
+        while await done() < len(tasks):
+            if any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"a bench service died; see {log}")
+            await asyncio.sleep(0.05)
+        elapsed = time.perf_counter() - t0
+        rows = await conn.fetch("""
+            SELECT g.task_id, g.group_id,
+                   (SELECT coalesce(sum(jsonb_array_length(t -> 'token_ids')), 0)
+                    FROM jsonb_array_elements(g.rollouts) r,
+                         jsonb_array_elements(r -> 'turns') t) AS tokens
+            FROM rollout_groups g""")
+        seeds = {r["task_id"]: zlib.crc32(r["group_id"].bytes) for r in rows}
+        tokens = sum(int(r["tokens"]) for r in rows if r["task_id"] != tasks[0].task_id)
+        completions = (len(tasks) - 1) * settings.rollout.group_size
+        return {"seconds": elapsed, "completions": completions, "tokens": tokens,
+                "seeds": seeds}
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(30)
+        await conn.close()
+        await engine.dispose()
+
+
+async def _direct_side(settings: Settings, tasks: list[TaskSpec],
+                       seeds: list[int]) -> dict[str, Any]:
+    from flywheel.policy.factory import make_policy
+
+    policy = make_policy(settings)
+    cfg = settings.rollout
+    try:
+        async def one(task: TaskSpec, seed: int) -> int:
+            p = build_prompt(task)
+            params = SamplingParams(n=cfg.group_size, max_tokens=cfg.max_tokens,
+                                    temperature=cfg.temperature, seed=seed, stop=p.stop,
+                                    prefill=p.prefill, stop_at_json_end=p.stop_at_json_end)
+            return sum(len(c.token_ids) for c in await policy.sample(p.messages, params))
+
+        await one(tasks[0], seeds[0])  # warm-up, as on the worker side
+        t0 = time.perf_counter()
+        tokens = 0
+        for task, seed in zip(tasks[1:], seeds[1:], strict=True):
+            tokens += await one(task, seed)
+        return {"seconds": time.perf_counter() - t0,
+                "completions": (len(tasks) - 1) * cfg.group_size, "tokens": tokens}
+    finally:
+        await policy.close()
+
+
+def run_bench(groups: int, *, group_size: int = 8, max_tokens: int = 32) -> dict[str, Any]:
+    base = Path(tempfile.mkdtemp(prefix="flywheel-bench-"))
+    base.chmod(0o755)
+    broker = LocalBroker(free_port(), base / "broker.log")
+    pg = LocalPostgres(base / "pg", free_port())
+    try:
+        broker.start()
+        pg.start()
+        migrate.upgrade(pg.url)
+        settings = Settings(
+            home=base, kafka=KafkaSettings(bootstrap=broker.bootstrap, session_timeout_ms=2000,
+                                           heartbeat_interval_ms=500),
+            db=DbSettings(url=pg.url),
+            rollout=RolloutSettings(group_size=group_size, max_tokens=max_tokens,
+                                    max_staleness=10_000, rollout_timeout_s=600))
+        asyncio.run(ensure_topics(broker.bootstrap, settings.topics.all(), partitions=3))
+        tasks = asyncio.run(_tasks(pg.url, groups + 1))
+        worker = asyncio.run(_worker_side(settings, tasks, base / "services.log"))
+        # Same prompts, same seeds as the worker used: both sides sample the same tokens.
+        seeds = [worker["seeds"][t.task_id] for t in tasks]
+        direct = asyncio.run(_direct_side(settings, tasks, seeds))
+    finally:
+        broker.stop()
+        pg.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    w_cps = worker["completions"] / worker["seconds"]
+    d_cps = direct["completions"] / direct["seconds"]
+    return {
+        "groups": groups, "group_size": group_size, "max_tokens": max_tokens,
+        "worker_completions_per_s": round(w_cps, 2),
+        "worker_tokens_per_s": round(worker["tokens"] / worker["seconds"], 1),
+        "direct_completions_per_s": round(d_cps, 2),
+        "direct_tokens_per_s": round(direct["tokens"] / direct["seconds"], 1),
+        "overhead_ratio": round(d_cps / w_cps, 3),
+        "same_tokens": worker["tokens"] == direct["tokens"],
+    }
+
+

@@ -1,0 +1,294 @@
+"""The in-process policy engine: transformers + peft on CPU (or one local device).
+
+It owns one model and its LoRA adapters. Every operation that touches the model (generate,
+scoring, loading or deleting an adapter) runs on one dedicated worker thread, so the event
+loop stays responsive, only one generate runs at a time (torch already uses every core), and
+an adapter never changes under a running generate. Sampling log-probs are read from the raw
+logits of the very forward passes that sampled the tokens, in fp32. A completion that ends
+on EOS keeps the EOS token (and its log-prob) in `token_ids`, not in `text`, so the trainer
+learns to stop; one cut by a stop string or JSON end keeps tokens up to the one that completed
+it, while its text ends exactly at the stop.
+
+Import this module lazily: it imports torch, transformers and peft at module level.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+import torch
+from peft import PeftModel
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+
+from flywheel.policy.base import (
+    AdapterRef,
+    Completion,
+    PolicyError,
+    SamplingParams,
+    json_object_end,
+)
+
+T = TypeVar("T")
+Messages = Sequence[dict[str, Any]]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / temperature) at `tokens`, in fp32; differentiable.
+
+    logits: [B, T, V], tokens: [B, T] → [B, T]. A temperature ≤ 0 (greedy) scores the raw
+    logits, as vLLM does.
+    """
+    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
+    picked = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B, T]
+    return picked - torch.logsumexp(scaled, dim=-1)
+
+
+def sequence_logprobs(model: torch.nn.Module, prompt_ids: Sequence[int],
+                      completion_ids: Sequence[int], temperature: float) -> list[float]:
+    """Log-probs of `completion_ids` after `prompt_ids` from one fresh forward pass (no grad).
+
+    Scores with whatever adapter is active on `model`.
+    """
+    if not completion_ids:
+        return []
+    device = next(model.parameters()).device
+    ids = torch.tensor([[*prompt_ids, *completion_ids]], device=device)  # [1, P + C]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits  # [1, P + C, V]
+    start = len(prompt_ids)
+    # The logits at position i predict token i + 1.
+    scores = token_logprobs(logits[:, start - 1:-1], ids[:, start:], temperature)  # [1, C]
+    return [float(x) for x in scores[0]]
+
+
+def stop_cut(text: str, params: SamplingParams) -> int | None:
+    """Where the completion `text` must end by `params`' stop conditions; None = not yet."""
+    cuts = [text.find(s) + len(s) for s in params.stop if s and s in text]
+    if params.stop_at_json_end:
+        end = json_object_end(params.prefill + text)
+        if end is not None:
+            cuts.append(max(end - len(params.prefill), 0))
+    return min(cuts) if cuts else None
+
+
+class _StopWatch(StoppingCriteria):
+    """Stops each row at the token that completes a stop condition and records that step."""
+
+    def __init__(self, decode: Callable[[list[int]], str], prompt_width: int,
+                 params: SamplingParams) -> None:
+        self.decode, self.width, self.params = decode, prompt_width, params
+        self.stopped_at: dict[int, int] = {}
+        """Row → index (in the generated tokens) of the token that completed a stop."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
+        new = input_ids[:, self.width:]  # [B, t]
+        for row in range(new.shape[0]):
+            if row not in self.stopped_at and stop_cut(self.decode(new[row].tolist()),
+                                                       self.params) is not None:
+                self.stopped_at[row] = new.shape[1] - 1
+        done = [row in self.stopped_at for row in range(new.shape[0])]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
+
+
+class LocalPolicy:
+    """The Policy protocol served in-process; adapters are PEFT LoRA directories."""
+
+    def __init__(self, model_dir: Path, *, policy_name: str = "policy", device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, max_batch: int = 8) -> None:
+        self.policy_name, self.max_batch = policy_name, max_batch
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        self.tokenizer.padding_side = "left"
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+        eos = model.generation_config.eos_token_id
+        eos = eos if eos is not None else self.tokenizer.eos_token_id
+        self._eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos])
+        pad = self.tokenizer.pad_token_id
+        self._pad_id: int = pad if pad is not None else min(self._eos_ids)
+        # generate() fills every unset option from the checkpoint's defaults (repetition
+        # penalty, top-k, …); a neutral config keeps sampling at exactly softmax(logits / T).
+        model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
+            bos_token_id=model.generation_config.bos_token_id,
+            eos_token_id=sorted(self._eos_ids), pad_token_id=self._pad_id)
+        self.model: PreTrainedModel | PeftModel = model.to(device).eval()  # type: ignore[arg-type]
+        self._adapter_paths: dict[str, Path] = {}
+        """Every adapter name ever loaded → its directory; kept after retiring (immutability)."""
+        self._loaded: set[str] = set()
+        self._worker: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="flywheel-policy")
+
+    # -- Policy protocol ---------------------------------------------------------------------
+
+    async def sample(self, messages: Messages, params: SamplingParams, *,
+                     adapter: AdapterRef | None = None) -> list[Completion]:
+        return (await self.sample_many([messages], params, adapter=adapter))[0]
+
+    async def sample_many(self, prompts: Sequence[Messages], params: SamplingParams, *,
+                          adapter: AdapterRef | None = None) -> list[list[Completion]]:
+        """`params.n` completions for each prompt, rows of all prompts batched together."""
+        flat = await self._run(self._sample_sync, list(prompts), params, self._name(adapter))
+        return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+    async def ensure_adapter(self, adapter: AdapterRef) -> None:
+        await self._run(self._ensure_sync, self._name(adapter), adapter.path.resolve())
+
+    async def retire_adapter(self, adapter: AdapterRef) -> None:
+        await self._run(self._retire_sync, self._name(adapter))
+
+    async def close(self) -> None:
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            await asyncio.to_thread(worker.shutdown, wait=True)
+            del self.model
+            gc.collect()
+
+    # -- extras for tests, the trainer and benchmarks ------------------------------------------
+
+    def prompt_ids(self, messages: Messages, prefill: str = "") -> list[int]:
+        """Token ids of the chat prompt (generation prompt added) followed by `prefill`.
+
+        Not while a sample runs: the fast tokenizer must not be used from two threads at once.
+        """
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                  tokenize=False)
+        assert isinstance(text, str)
+        return list(self.tokenizer(text + prefill, add_special_tokens=False)["input_ids"])
+
+    async def logprobs(self, prompt_ids: Sequence[int], completion_ids: Sequence[int],
+                       temperature: float, *, adapter: AdapterRef | None = None) -> list[float]:
+        """`sequence_logprobs` under `adapter` (None = base model), on the model's thread."""
+        def score(name: str | None) -> list[float]:
+            with self._using(name) as model:
+                return sequence_logprobs(model, prompt_ids, completion_ids, temperature)
+        return await self._run(score, self._name(adapter))
+
+    # -- worker-thread internals ---------------------------------------------------------------
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._worker is None:
+            raise PolicyError("this LocalPolicy is closed")
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    def _name(self, adapter: AdapterRef | None) -> str | None:
+        if adapter is not None and adapter.policy != self.policy_name:
+            raise PolicyError(f"adapter {adapter.name} belongs to policy {adapter.policy!r}; "
+                              f"this engine serves {self.policy_name!r}")
+        return None if adapter is None else adapter.name
+
+    @contextmanager
+    def _using(self, name: str | None) -> Iterator[torch.nn.Module]:
+        """The model with adapter `name` active (None = base weights) for one operation."""
+        model = self.model
+        if name is not None and name not in self._loaded:
+            state = "was retired" if name in self._adapter_paths else "is not loaded"
+            raise PolicyError(f"adapter {name} {state}; call ensure_adapter() before sampling it")
+        if not isinstance(model, PeftModel):
+            yield model
+        elif name is None:
+            with model.disable_adapter():
+                yield model
+        else:
+            model.set_adapter(name)
+            yield model
+
+    def _ensure_sync(self, name: str, path: Path) -> None:
+        known = self._adapter_paths.get(name)
+        if known is not None and known != path:
+            raise PolicyError(f"adapter {name} was already loaded from {known}; versions are "
+                              f"immutable, so publish {path} under a new version")
+        if name in self._loaded:
+            return
+        if not (path / "adapter_config.json").is_file():
+            raise PolicyError(f"{path} holds no PEFT adapter (adapter_config.json missing)")
+        if isinstance(self.model, PeftModel):
+            self.model.load_adapter(str(path), adapter_name=name, is_trainable=False)
+        else:
+            self.model = PeftModel.from_pretrained(self.model, str(path), adapter_name=name)
+        self.model.eval()
+        self._adapter_paths[name] = path
+        self._loaded.add(name)
+
+    def _retire_sync(self, name: str) -> None:
+        if name not in self._loaded:
+            return
+        assert isinstance(self.model, PeftModel)
+        self._loaded.discard(name)
+        if self._loaded:
+            # Activate a survivor first: peft warns when the active adapter is deleted.
+            self.model.set_adapter(next(iter(self._loaded)))
+            self.model.delete_adapter(name)
+        else:  # back to the plain model: no LoRA wrappers left to slow every forward
+            self.model = self.model.unload()
+
+    def _sample_sync(self, prompts: list[Messages], params: SamplingParams,
+                     name: str | None) -> list[Completion]:
+        rows = [ids for m in prompts for ids in [self.prompt_ids(m, params.prefill)] * params.n]
+        out: list[Completion] = []
+        device = next(self.model.parameters()).device
+        cuda = [device.index or 0] if device.type == "cuda" else []
+        with self._using(name), torch.random.fork_rng(devices=cuda):
+            # fork_rng: a seed pins these samples without touching anyone else's RNG stream.
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            for start in range(0, len(rows), self.max_batch):
+                out += self._generate(rows[start:start + self.max_batch], params, name)
+        return out
+
+    def _generate(self, rows: list[list[int]], params: SamplingParams,
+                  name: str | None) -> list[Completion]:
+        width = max(len(r) for r in rows)
+        device = next(self.model.parameters()).device
+        input_ids = torch.tensor([[self._pad_id] * (width - len(r)) + r for r in rows],
+                                 device=device)  # [B, P], left-padded
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+        sampling = params.temperature > 0
+        config = GenerationConfig(  # type: ignore[no-untyped-call]
+            max_new_tokens=params.max_tokens, do_sample=sampling,
+            temperature=params.temperature if sampling else None,
+            top_p=params.top_p if sampling else None,
+            top_k=0 if sampling else None,  # 0, not unset: unset means transformers' top-k=50
+            eos_token_id=sorted(self._eos_ids), pad_token_id=self._pad_id,
+            return_dict_in_generate=True, output_logits=True)
+        watch = _StopWatch(self._decode, width, params)
+        # Decoding every row at every step costs little, but nothing at all when unneeded.
+        criteria = [watch] if params.stop or params.stop_at_json_end else []
+        started = time.monotonic()
+        result = cast(Any, self.model).generate(
+            input_ids=input_ids, attention_mask=mask, generation_config=config,
+            stopping_criteria=StoppingCriteriaList(criteria))
+        batch_ms = (time.monotonic() - started) * 1000
+        new = result.sequences[:, width:]  # [B, T]
+        # One step at a time: stacking all logits would hold [B, T, V] twice.
+        lps = torch.stack([token_logprobs(step[:, None], new[:, t:t + 1], params.temperature)[:, 0]
+                           for t, step in enumerate(result.logits)], dim=1)  # [B, T]
+        return [self._completion(rows[i], new[i].tolist(), lps[i].tolist(), watch.stopped_at.get(i),
+                                 params, name, batch_ms, len(rows)) for i in range(len(rows))]
+
+    def _completion(self, prompt: list[int], tokens: list[int], lps: list[float],
+                    stopped_at: int | None, params: SamplingParams, name: str | None,
+                    batch_ms: float, batch_size: int) -> Completion:
+        eos_at = next((i for i, tok in enumerate(tokens) if tok in self._eos_ids), None)
+        ends = [i + 1 for i in (stopped_at, eos_at) if i is not None]
+        keep = min(ends) if ends else len(tokens)
+        text = self._decode(tokens[:keep])
+        cut = stop_cut(text, params)
+        return Completion(
+            text=text if cut is None else text[:cut], token_ids=tokens[:keep], logprobs=lps[:keep],
+            prompt_token_ids=list(prompt), finish_reason="stop" if ends else "length", adapter=name,
+            latency_ms=batch_ms / batch_size, extra={"batch_ms": batch_ms})
+
+    def _decode(self, tokens: list[int]) -> str:
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
