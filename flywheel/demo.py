@@ -66,10 +66,53 @@ async def _wait(settings: Settings, expected_rows: int, expected_dlq: int,
         status = await collect(settings)
         done = (status["trajectories"] >= expected_rows and status["dlq"] >= expected_dlq
                 and status["outbox_pending"] == 0
-                and all(g["total"] == 0 for g in status["lag"].values()))
+                and status["lag"][settings.ingest.group_id]["total"] == 0
+                and status["lag"][settings.miner.group_id]["total"] == 0)
         if done or time.monotonic() > deadline:
             return status
         await asyncio.sleep(0.5)
+
+
+ROLLOUT_GROUPS = 3
+
+
+async def _rollouts(settings: Settings, want: int, timeout: float = 600) -> list[dict[str, Any]]:
+    """Wait for `want` scored groups (sampled by the stack's scheduler and workers)."""
+    from sqlalchemy import text
+
+    from flywheel.db.engine import make_engine
+    from flywheel.runtime.endpoints import resolve_db_url
+
+    engine = make_engine(resolve_db_url(settings), pool_size=1)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            async with engine.connect() as conn:
+                rows = [dict(r) for r in (await conn.execute(text("""
+                    SELECT g.env, g.scored, g.not_run, g.reward_mean, g.success_rate,
+                           g.trainable, g.duration_ms, t.failure_mode
+                    FROM rollout_groups g JOIN tasks t USING (task_id)
+                    ORDER BY g.created_at LIMIT 10"""))).mappings()]
+            if len(rows) >= want or time.monotonic() > deadline:
+                return rows
+            await asyncio.sleep(1)
+    finally:
+        await engine.dispose()
+
+
+def _show_groups(groups: list[dict[str, Any]]) -> None:
+    table = Table(title="scored groups (base policy)")
+    for col in ("env", "task failure", "scored", "not run", "mean reward", "success",
+                "trainable", "seconds"):
+        table.add_column(col)
+    for g in groups:
+        table.add_row(g["env"], g["failure_mode"], str(g["scored"]), str(g["not_run"]),
+                      f"{g['reward_mean']:.2f}" if g["reward_mean"] is not None else "-",
+                      f"{g['success_rate']:.2f}" if g["success_rate"] is not None else "-",
+                      "yes" if g["trainable"] else
+                      ("no (nothing scored)" if not g["scored"] else "no (no variance)"),
+                      f"{g['duration_ms'] / 1000:.1f}")
+    console.print(table)
 
 
 async def _freeze(settings: Settings) -> tuple[int, int]:
@@ -85,7 +128,7 @@ async def _freeze(settings: Settings) -> tuple[int, int]:
         await engine.dispose()
 
 
-def run_demo(settings: Settings) -> int:
+def run_demo(settings: Settings, *, keep: bool = False) -> int:
     from flywheel.runtime.stack import detach
 
     t0 = time.monotonic()
@@ -118,7 +161,19 @@ def run_demo(settings: Settings) -> int:
     version, frozen = asyncio.run(_freeze(settings))
     console.print(f"eval set v{version} frozen: {frozen} holdout tasks (training never sees "
                   "them)")
+    with console.status(f"rollout workers sampling groups of {settings.rollout.group_size} "
+                        "attempts from the base policy…"):
+        groups = asyncio.run(_rollouts(settings, want=ROLLOUT_GROUPS))
+    _show_groups(groups)
+    ok = ok and len(groups) >= ROLLOUT_GROUPS
     console.print(json.dumps({"wall_s": round(time.monotonic() - t0, 1), "ok": ok}))
-    console.print("The stack is still running: try `flywheel status`; stop it with "
-                  "`flywheel down`.")
+    if keep:
+        console.print("The stack is still running (rollout workers keep sampling): try "
+                      "`flywheel status`; stop it with `flywheel down`.")
+    else:
+        from flywheel.runtime.stack import down
+
+        down(settings)
+        console.print("Stack stopped (data kept in .flywheel/); `flywheel demo --keep` leaves "
+                      "it running.")
     return 0 if ok else 1

@@ -20,7 +20,15 @@ SELECT (SELECT count(*) FROM trajectories)                          AS trajector
        (SELECT count(*) FROM tasks)                                 AS tasks,
        (SELECT count(*) FROM tasks WHERE split = 'holdout')         AS tasks_holdout,
        (SELECT count(*) FROM failures WHERE status = 'unverifiable') AS unverifiable,
-       (SELECT coalesce(max(version), 0) FROM eval_sets)            AS evalset_version
+       (SELECT coalesce(max(version), 0) FROM eval_sets)            AS evalset_version,
+       (SELECT count(*) FROM rollout_groups)                        AS groups,
+       (SELECT count(*) FROM rollout_groups WHERE trainable)        AS groups_trainable,
+       (SELECT count(*) FROM rollout_groups
+         WHERE trainable AND trained_at IS NULL)                    AS groups_backlog,
+       (SELECT coalesce(sum(not_run), 0) FROM rollout_groups)       AS rollouts_not_run,
+       (SELECT count(*) FROM rollout_requests WHERE status = 'requested')
+                                                                    AS requests_outstanding,
+       (SELECT count(*) FROM task_stats WHERE retired IS NOT NULL)  AS tasks_retired
 """)
 _MODES = text("SELECT failure_mode, count(*) FROM failures GROUP BY 1 ORDER BY 1")
 _DLQ_REASONS = text("SELECT reason, count(*) FROM dead_letters GROUP BY reason ORDER BY reason")
@@ -28,7 +36,8 @@ _DLQ_REASONS = text("SELECT reason, count(*) FROM dead_letters GROUP BY reason O
 
 async def collect(settings: Settings) -> dict[str, Any]:
     """Stable keys: trajectories, failures, dlq, dlq_by_reason, outbox_pending, events, tasks,
-    tasks_holdout, unverifiable, evalset_version, failure_modes, lag (per consumer group)."""
+    tasks_holdout, unverifiable, evalset_version, groups, groups_trainable, groups_backlog,
+    rollouts_not_run, requests_outstanding, tasks_retired, failure_modes, lag (per group)."""
     engine = make_engine(resolve_db_url(settings), pool_size=1)
     try:
         async with engine.connect() as conn:
@@ -40,10 +49,11 @@ async def collect(settings: Settings) -> dict[str, Any]:
     bootstrap = resolve_bootstrap(settings)
     topics = settings.topics
     lag = {}
-    for group in (settings.ingest.group_id, settings.miner.group_id):
-        parts = await group_lag(bootstrap, group, topics.trajectories)
-        lag[group] = {"topic": topics.trajectories, "total": sum(parts.values()),
-                      "partitions": parts}
+    for group, topic in ((settings.ingest.group_id, topics.trajectories),
+                         (settings.miner.group_id, topics.trajectories),
+                         (settings.rollout.group_id, topics.rollout_requests)):
+        parts = await group_lag(bootstrap, group, topic)
+        lag[group] = {"topic": topic, "total": sum(parts.values()), "partitions": parts}
     return {
         **{k: int(v) for k, v in row.items()},
         "dlq_by_reason": reasons,

@@ -324,11 +324,12 @@ def bench_rollout(
 
 
 @app.command()
-def demo() -> None:
+def demo(keep: Annotated[bool, typer.Option(help="Leave the stack running afterwards.")] = False
+         ) -> None:
     """The main job on the embedded default (grows with each pipeline stage)."""
     from flywheel.demo import run_demo
 
-    raise typer.Exit(run_demo(_settings()))
+    raise typer.Exit(run_demo(_settings(), keep=keep))
 
 
 def main() -> None:

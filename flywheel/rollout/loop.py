@@ -1,9 +1,13 @@
 """The agent loop: sample a group of G attempts at a task and score each with its verifier.
 
 Single-step environments (tool_call, code) sample the whole group in one batched call.
-Multi-step environments (workplace) run G independent episodes — model → tool call →
-environment → … — each under its own deadline, so one straggler cannot hold the group: it
-is recorded as not run (`timeout`) and excluded, never scored 0.
+Multi-step environments (workplace) run G episodes — model → tool call → environment → … —
+each under its own deadline, so one straggler cannot hold the group: it is recorded as not
+run (`timeout`) and excluded, never scored 0. With an engine that batches several prompts
+(`sample_many`, the in-process CPU engine) the live episodes advance in lockstep, one
+batched generate per turn, because separate calls would only queue on the same model;
+environment steps still run per episode under their own deadlines. Other engines (vLLM
+batches concurrent requests itself) run the episodes independently.
 """
 
 from __future__ import annotations
@@ -135,9 +139,85 @@ def _is_final(text: str) -> bool:
     return isinstance(obj, dict) and "final" in obj and "tool" not in obj
 
 
+class _Episode:
+    def __init__(self, index: int, session: str, messages: list[dict[str, Any]]) -> None:
+        self.index, self.session, self.messages = index, session, messages
+        self.turns: list[Turn] = []
+        self.result: VerifierResult | RolloutNotRun | None = None
+        self.finished = False
+        self.started = time.perf_counter()
+
+
+async def _act(env: Environment, ep: _Episode, text: str, timeout: float) -> None:
+    """Apply the episode's tool call; a step that overruns the deadline ends the episode."""
+    try:
+        name, args, _ = parse_tool_call(text)
+        observation = await asyncio.wait_for(
+            asyncio.to_thread(env.step, ep.session, name, args), max(timeout, 0.001))
+    except InvalidCall as err:
+        observation = f"error: {err}"
+    except TimeoutError:
+        ep.result = RolloutNotRun("timeout", "environment step exceeded the rollout deadline")
+        return
+    ep.messages += [{"role": "assistant", "content": text},
+                    {"role": "user", "content": f"Result: {observation}"}]
+
+
+async def _lockstep(policy: Any, task: TaskSpec, env: Environment, prompt: Prompt,
+                    cfg: GroupConfig, adapter: AdapterRef | None, seed: int, group_key: str
+                    ) -> list[ScoredRollout]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + cfg.rollout_timeout_s
+    eps = [_Episode(i, f"{group_key}/{i}", list(prompt.messages))
+           for i in range(cfg.group_size)]
+    for ep in eps:
+        env.reset(ep.session, task.verifier)
+    try:
+        for step in range(cfg.max_steps):
+            live = [e for e in eps if e.result is None and not e.finished]
+            if not live:
+                break
+            params = SamplingParams(n=1, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                                    seed=seed + step, prefill=prompt.prefill,
+                                    stop_at_json_end=prompt.stop_at_json_end)
+            try:
+                batches = await asyncio.wait_for(
+                    policy.sample_many([e.messages for e in live], params, adapter=adapter),
+                    max(deadline - loop.time(), 0.001))
+            except TimeoutError:
+                for e in live:
+                    e.result = RolloutNotRun("timeout", "sampling exceeded the rollout deadline")
+                break
+            except PolicyError as err:
+                for e in live:
+                    e.result = RolloutNotRun("crash", str(err))
+                break
+            acting = []
+            for e, (c,) in zip(live, batches, strict=True):
+                e.turns.append(_turn(c))
+                text = prompt.prefill + c.text
+                if _is_final(text):
+                    e.finished = True
+                else:
+                    acting.append(_act(env, e, text, deadline - loop.time()))
+            await asyncio.gather(*acting)
+        for e in eps:
+            if e.result is None:
+                e.result = await _verify(env, task, env.session_output(e.session),
+                                         max(deadline - loop.time(), 1.0))
+    finally:
+        for e in eps:
+            env.close(e.session)
+    return [_scored(e.index, e.result, e.turns, e.started)  # type: ignore[arg-type]
+            for e in eps]
+
+
 async def _multi_step(policy: Policy, task: TaskSpec, env: Environment, prompt: Prompt,
                       cfg: GroupConfig, adapter: AdapterRef | None, seed: int, group_key: str
                       ) -> list[ScoredRollout]:
+    if callable(getattr(policy, "sample_many", None)):
+        return await _lockstep(policy, task, env, prompt, cfg, adapter, seed, group_key)
+
     async def guarded(i: int) -> ScoredRollout:
         started = time.perf_counter()
         turns: list[Turn] = []

@@ -33,6 +33,8 @@ log = logging.getLogger("flywheel.up")
 SERVICES: dict[str, str] = {
     "ingest": "consumers.ingest",
     "miner": "consumers.miner",
+    "scheduler": "consumers.scheduler",
+    "rollout": "consumers.rollout",
     "relay": "producers.relay",
     "api": "flywheel.cli.serve_api",
 }
