@@ -84,8 +84,9 @@ class RolloutSettings(BaseModel):
     """Sampling temperature (> 0: groups need diversity)."""
     max_steps: int = 8
     """Most model turns in a multi-step episode."""
-    rollout_timeout_s: float = 120.0
-    """Per-rollout deadline: a straggler is typed `timeout` and excluded, never scored 0."""
+    rollout_timeout_s: float = 600.0
+    """Per-rollout deadline: a straggler is typed `timeout` and excluded, never scored 0.
+    Sized for multi-step groups on the CPU engine (a GPU finishes far sooner)."""
     min_scored: int = 2
     """A group with fewer scored attempts is recorded but not trainable."""
     max_staleness: int = 2

@@ -76,7 +76,7 @@ async def _wait(settings: Settings, expected_rows: int, expected_dlq: int,
 ROLLOUT_GROUPS = 3
 
 
-async def _rollouts(settings: Settings, want: int, timeout: float = 600) -> list[dict[str, Any]]:
+async def _rollouts(settings: Settings, want: int, timeout: float = 900) -> list[dict[str, Any]]:
     """Wait for `want` scored groups (sampled by the stack's scheduler and workers)."""
     from sqlalchemy import text
 
