@@ -46,7 +46,7 @@ class IngestSettings(BaseModel):
     """Consumer group of the ingest consumer (scale out by starting more members)."""
     max_payload_bytes: int = 524_288
     """Messages larger than this go to the DLQ with reason `too_large`."""
-    batch_max_records: int = 1_000
+    batch_max_records: int = 2_000
     """Most messages written to Postgres in one transaction."""
     batch_timeout_ms: int = 200
     """Longest wait to fill a batch before writing what arrived."""
