@@ -46,6 +46,7 @@ from flywheel.ingest import (
     ingested_event,
 )
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
+from flywheel.runtime.service import run_faststream
 
 log = logging.getLogger("flywheel.ingest")
 
@@ -173,8 +174,7 @@ def build_app(settings: Settings) -> FastStream:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    asyncio.run(build_app(Settings()).run())
+    run_faststream(build_app)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ after the batch's transaction commits; redelivery is a no-op (keyed on trajector
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -26,6 +25,7 @@ from flywheel.db.engine import make_engine
 from flywheel.ingest import decode
 from flywheel.mining.service import mine_batch
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
+from flywheel.runtime.service import run_faststream
 from flywheel.schemas import Trajectory
 
 log = logging.getLogger("flywheel.miner")
@@ -75,8 +75,7 @@ def build_app(settings: Settings) -> FastStream:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    asyncio.run(build_app(Settings()).run())
+    run_faststream(build_app)
 
 
 if __name__ == "__main__":

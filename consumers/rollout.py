@@ -12,7 +12,6 @@ Before sampling, a worker waits while the untrained backlog is at max_staleness 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -26,6 +25,7 @@ from flywheel.events import RolloutRequested, parse_event
 from flywheel.policy.factory import make_policy
 from flywheel.rollout.service import handle_request, worker_name
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
+from flywheel.runtime.service import run_faststream
 
 log = logging.getLogger("flywheel.rollout")
 
@@ -73,8 +73,7 @@ def build_app(settings: Settings) -> FastStream:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    asyncio.run(build_app(Settings()).run())
+    run_faststream(build_app)
 
 
 if __name__ == "__main__":

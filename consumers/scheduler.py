@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import signal
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -24,6 +23,7 @@ from flywheel.db.engine import make_engine
 from flywheel.rollout import store
 from flywheel.rollout.select import pick_tasks
 from flywheel.runtime.endpoints import resolve_db_url
+from flywheel.runtime.service import pause, run_loop
 
 log = logging.getLogger("flywheel.scheduler")
 
@@ -54,25 +54,13 @@ async def run_scheduler(settings: Settings, stop: asyncio.Event) -> None:
             issued = await schedule_once(engine, settings, rng)
             if issued:
                 log.info("requested %d rollout groups", issued)
-            try:
-                await asyncio.wait_for(stop.wait(), settings.rollout.scheduler_interval_s)
-            except TimeoutError:
-                pass
+            await pause(stop, settings.rollout.scheduler_interval_s)
     finally:
         await engine.dispose()
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-
-    async def runner() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await run_scheduler(Settings(), stop)
-
-    asyncio.run(runner())
+    run_loop(run_scheduler)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
 from aiokafka import AIOKafkaProducer
 from sqlalchemy import text
@@ -23,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
+from flywheel.runtime.service import pause, run_loop
 
 log = logging.getLogger("flywheel.relay")
 
@@ -60,26 +60,14 @@ async def run_relay(settings: Settings, stop: asyncio.Event) -> None:
                 log.warning("outbox relay round failed, retrying: %s", err)
                 sent = 0
             if sent < cfg.batch_size:
-                try:
-                    await asyncio.wait_for(stop.wait(), cfg.poll_interval_s)
-                except TimeoutError:
-                    pass
+                await pause(stop, cfg.poll_interval_s)
     finally:
         await producer.stop()
         await engine.dispose()
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-
-    async def runner() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await run_relay(Settings(), stop)
-
-    asyncio.run(runner())
+    run_loop(run_relay)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,8 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,11 +23,8 @@ from typing import Any
 import asyncpg
 from aiokafka import AIOKafkaProducer
 
-from flywheel.config import DbSettings, KafkaSettings, Settings, settings_env
-from flywheel.db import migrate
-from flywheel.kafka import ensure_topics
-from flywheel.runtime.broker import LocalBroker, free_port
-from flywheel.runtime.postgres import LocalPostgres
+from flywheel.bench.stack import temp_stack
+from flywheel.config import Settings, settings_env
 from flywheel.samples import make_trajectory
 from flywheel.schemas import Trajectory, parse_trajectory
 
@@ -141,27 +136,13 @@ def run_bench(n: int, *, workers: int = 1, progress: bool = True, seed: int = 0
     records = [make_trajectory(rng, chat_format=i % 3 == 0) for i in range(n + 1)]
     values = [(r["trajectory_id"].encode(), json.dumps(r).encode()) for r in records]
     rows = [_row(parse_trajectory(r)) for r in records[1:]]
-    base = Path(tempfile.mkdtemp(prefix="flywheel-bench-"))
-    base.chmod(0o755)
-    broker = LocalBroker(free_port(), base / "broker.log")
-    pg = LocalPostgres(base / "pg", free_port())
-    try:
-        broker.start()
-        pg.start()
-        migrate.upgrade(pg.url)
-        settings = Settings(home=base, kafka=KafkaSettings(
-            bootstrap=broker.bootstrap, session_timeout_ms=3000, heartbeat_interval_ms=500),
-            db=DbSettings(url=pg.url))
-        asyncio.run(ensure_topics(broker.bootstrap, settings.topics.all(), partitions=3))
+    with temp_stack() as settings:
+        assert settings.db.url
         with Progress(disable=not progress, transient=True) as bar:
             task = bar.add_task("producer → kafka → postgres", total=n)
-            rate = asyncio.run(_pipeline(settings, values, base / "ingest.log",
+            rate = asyncio.run(_pipeline(settings, values, settings.home / "ingest.log",
                                          lambda done: bar.update(task, completed=done), workers))
-        copy_rate, naive_rate = asyncio.run(_copy_and_naive(_dsn(pg.url), rows))
-    finally:
-        broker.stop()
-        pg.stop()
-        shutil.rmtree(base, ignore_errors=True)
+        copy_rate, naive_rate = asyncio.run(_copy_and_naive(_dsn(settings.db.url), rows))
     return {
         "n": n,
         "ingest_workers": workers,

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import zlib
 from pathlib import Path
@@ -22,16 +20,13 @@ from typing import Any
 
 import asyncpg
 
-from flywheel.config import DbSettings, KafkaSettings, RolloutSettings, Settings, settings_env
-from flywheel.db import migrate
+from flywheel.bench.stack import temp_stack
+from flywheel.config import RolloutSettings, Settings, settings_env
 from flywheel.db.engine import make_engine
-from flywheel.kafka import ensure_topics
 from flywheel.mining.service import mine_batch
 from flywheel.policy.base import SamplingParams
 from flywheel.rollout.prompt import build_prompt
 from flywheel.rollout.store import request_rollouts
-from flywheel.runtime.broker import LocalBroker, free_port
-from flywheel.runtime.postgres import LocalPostgres
 from flywheel.schemas import parse_trajectory
 from flywheel.simulate import simulate
 from flywheel.tasks import TaskSpec
@@ -129,30 +124,15 @@ async def _direct_side(settings: Settings, tasks: list[TaskSpec],
 
 
 def run_bench(groups: int, *, group_size: int = 8, max_tokens: int = 32) -> dict[str, Any]:
-    base = Path(tempfile.mkdtemp(prefix="flywheel-bench-"))
-    base.chmod(0o755)
-    broker = LocalBroker(free_port(), base / "broker.log")
-    pg = LocalPostgres(base / "pg", free_port())
-    try:
-        broker.start()
-        pg.start()
-        migrate.upgrade(pg.url)
-        settings = Settings(
-            home=base, kafka=KafkaSettings(bootstrap=broker.bootstrap, session_timeout_ms=2000,
-                                           heartbeat_interval_ms=500),
-            db=DbSettings(url=pg.url),
-            rollout=RolloutSettings(group_size=group_size, max_tokens=max_tokens,
-                                    max_staleness=10_000, rollout_timeout_s=600))
-        asyncio.run(ensure_topics(broker.bootstrap, settings.topics.all(), partitions=3))
-        tasks = asyncio.run(_tasks(pg.url, groups + 1))
-        worker = asyncio.run(_worker_side(settings, tasks, base / "services.log"))
+    rollout = RolloutSettings(group_size=group_size, max_tokens=max_tokens,
+                              max_staleness=10_000, rollout_timeout_s=600)
+    with temp_stack(rollout=rollout) as settings:
+        assert settings.db.url
+        tasks = asyncio.run(_tasks(settings.db.url, groups + 1))
+        worker = asyncio.run(_worker_side(settings, tasks, settings.home / "services.log"))
         # Same prompts, same seeds as the worker used: both sides sample the same tokens.
         seeds = [worker["seeds"][t.task_id] for t in tasks]
         direct = asyncio.run(_direct_side(settings, tasks, seeds))
-    finally:
-        broker.stop()
-        pg.stop()
-        shutil.rmtree(base, ignore_errors=True)
     w_cps = worker["completions"] / worker["seconds"]
     d_cps = direct["completions"] / direct["seconds"]
     return {
