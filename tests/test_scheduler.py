@@ -1,0 +1,58 @@
+"""Scheduler admission control: requests never run ahead of training by more than the bound."""
+
+from __future__ import annotations
+
+import random
+
+import asyncpg
+import pytest
+from sqlalchemy import text
+
+from consumers.scheduler import schedule_once
+from flywheel.config import RolloutSettings, Settings
+from flywheel.db.engine import make_engine
+from flywheel.mining.service import mine_batch
+from flywheel.mining.store import freeze_eval_set
+from flywheel.schemas import parse_trajectory
+from flywheel.simulate import simulate
+
+pytestmark = [pytest.mark.postgres]
+
+
+async def test_requests_stay_within_staleness_budget(settings: Settings, db_url: str,
+                                                     pg_dsn: str) -> None:
+    s = settings.model_copy(update={"rollout": RolloutSettings(max_staleness=2,
+                                                               train_batch_groups=3)})
+    engine = make_engine(db_url)
+    async with engine.begin() as conn:
+        records = simulate(1500, agents=3, failure_rate=0.6, seed=31)
+        await mine_batch(conn, [parse_trajectory(r) for r in records], holdout_fraction=0.2,
+                         tasks_topic=s.topics.tasks)
+        await freeze_eval_set(conn, s.topics.tasks)
+    rng = random.Random(0)
+    assert await schedule_once(engine, s, rng) == 6  # budget: 2 versions × 3 groups
+    assert await schedule_once(engine, s, rng) == 0  # all outstanding: nothing more
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        # Requests only ever name train tasks, never holdout or frozen eval-set tasks.
+        assert await conn.fetchval("""SELECT count(*) FROM rollout_requests r
+            JOIN tasks t USING (task_id) WHERE t.split <> 'train'""") == 0
+        assert await conn.fetchval("SELECT count(DISTINCT task_id) FROM rollout_requests") == 6
+        assert await conn.fetchval(
+            "SELECT count(*) FROM outbox WHERE topic = $1", s.topics.rollout_requests) == 6
+        # Two requests are answered with trainable groups the trainer has not consumed:
+        # they still count against the budget; answered untrainable groups do not.
+        await conn.execute("""UPDATE rollout_requests SET status = 'done' WHERE request_id IN
+            (SELECT request_id FROM rollout_requests ORDER BY request_id LIMIT 3)""")
+        await conn.execute("""INSERT INTO rollout_groups (group_id, task_id, env, scored,
+               not_run, trainable, rollouts, worker, duration_ms)
+            SELECT request_id, task_id, 'tool_call', 8, 0, n < 2, '[]', 'w', 1
+            FROM (SELECT request_id, task_id, row_number() OVER (ORDER BY request_id) - 1 AS n
+                  FROM rollout_requests WHERE status = 'done') d""")
+    finally:
+        await conn.close()
+    assert await schedule_once(engine, s, rng) == 1  # 6 − 3 outstanding − 2 backlog
+    async with engine.begin() as c:
+        await c.execute(text("UPDATE rollout_groups SET trained_at = now()"))
+    assert await schedule_once(engine, s, rng) == 2  # the trainer caught up
+    await engine.dispose()
