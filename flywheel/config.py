@@ -101,6 +101,39 @@ class RolloutSettings(BaseModel):
     """How often the scheduler tops up requests."""
 
 
+class TrainerSettings(BaseModel):
+    group_id: str = "flywheel-trainer"
+    """Consumer group of the trainer (one member: one trainer per policy)."""
+    publish_every: int = Field(default=2, ge=1)
+    """Optimizer steps per published adapter version."""
+    lr: float = 2e-4
+    """AdamW learning rate of the LoRA parameters."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip."""
+    micro_batch: int = 4
+    """Sequences per forward/backward (memory bound); the step is over the whole batch."""
+    lora_r: int = 16
+    """LoRA rank."""
+    lora_alpha: int = 32
+    """LoRA alpha."""
+    eps_low: float = 0.2
+    """Lower clip of the importance ratio (1 − eps_low)."""
+    eps_high: float = 0.28
+    """Upper clip of the importance ratio (1 + eps_high)."""
+    kl_coef: float = 0.0
+    """Weight of the KL to the base model (adapter disabled); 0 = off."""
+    scale_std: bool = True
+    """Divide group-relative advantages by the group's reward std."""
+    loss_norm: Literal["token", "sequence"] = "token"
+    """Average the loss over all tokens of the batch, or per sequence first."""
+    starved_after_s: float = 300.0
+    """No scored groups for this long → state `starved` (not a silent hang)."""
+    stalled_after_s: float = 900.0
+    """A step running this long → state `stalled`."""
+    adapters_dir: Path | None = None
+    """Adapter artifact store; unset = `<home>/adapters`."""
+
+
 class RelaySettings(BaseModel):
     poll_interval_s: float = 0.2
     """Pause between outbox polls when the previous poll found nothing."""
@@ -132,6 +165,7 @@ class Settings(BaseSettings):
     ingest: IngestSettings = Field(default_factory=IngestSettings)
     miner: MinerSettings = Field(default_factory=MinerSettings)
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
+    trainer: TrainerSettings = Field(default_factory=TrainerSettings)
     relay: RelaySettings = Field(default_factory=RelaySettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
 
@@ -149,6 +183,7 @@ class Topics(BaseModel, frozen=True):
     tasks: str
     rollout_requests: str
     rollouts: str
+    adapters: str
 
     @classmethod
     def for_prefix(cls, prefix: str) -> Topics:
@@ -159,11 +194,12 @@ class Topics(BaseModel, frozen=True):
             tasks=f"{prefix}.tasks",
             rollout_requests=f"{prefix}.rollout.requests",
             rollouts=f"{prefix}.rollouts",
+            adapters=f"{prefix}.adapters",
         )
 
     def all(self) -> list[str]:
         return [self.trajectories, self.trajectories_dlq, self.ingest, self.tasks,
-                self.rollout_requests, self.rollouts]
+                self.rollout_requests, self.rollouts, self.adapters]
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -171,7 +207,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
     import json
 
     env: dict[str, str] = {"FLYWHEEL_HOME": str(settings.home.resolve())}
-    for section in ("kafka", "db", "ingest", "miner", "rollout", "relay", "api"):
+    for section in ("kafka", "db", "ingest", "miner", "rollout", "trainer", "relay", "api"):
         for key, value in getattr(settings, section).model_dump(mode="json").items():
             if value is None:
                 continue

@@ -164,8 +164,30 @@ class GroupScored(_Event):
     payload: GroupScoredPayload
 
 
+class AdapterTrainedPayload(_Payload):
+    policy: str
+    version: int
+    parent_version: int | None
+    path: str
+    stage: Literal["sft", "grpo"]
+    steps: int
+    """Optimizer steps since the base model."""
+    groups: int
+    """Groups trained into this version since its parent (ids are in the manifest)."""
+    stale_dropped: int
+    metrics: dict[str, float]
+
+
+class AdapterTrained(_Event):
+    """A new immutable adapter version was published (the gate evaluates it)."""
+
+    type: Literal["AdapterTrained"] = "AdapterTrained"
+    payload: AdapterTrainedPayload
+
+
 Event = Annotated[DeadLettered | TrajectoriesIngested | TaskCreated | EvalSetFrozen
-                  | RolloutRequested | GroupScored, Field(discriminator="type")]
+                  | RolloutRequested | GroupScored | AdapterTrained,
+                  Field(discriminator="type")]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
 

@@ -262,6 +262,10 @@ class RolloutGroupRow(Base):
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now())
     trained_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    """When the trainer consumed the group (trained on it, or dropped it as stale)."""
+    consumed_as: Mapped[str | None] = mapped_column(Text)
+    """`trained` (in adapter version `trained_version`) or `stale` (dropped, counted)."""
+    trained_version: Mapped[int | None] = mapped_column(Integer)
 
     __table_args__ = (
         UniqueConstraint("task_id", "group_id", name="uq_rollout_groups_task_group"),
@@ -280,5 +284,23 @@ class AdapterVersionRow(Base):
     path: Mapped[str] = mapped_column(Text)
     """Directory of the PEFT adapter in the artifact store."""
     parent_version: Mapped[int | None] = mapped_column(Integer)
+    stage: Mapped[str] = mapped_column(Text, server_default=text("'grpo'"))
+    steps: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now())
+
+
+class TrainerStatusRow(Base):
+    """The trainer's heartbeat: an explicit state instead of a silent hang."""
+
+    __tablename__ = "trainer_status"
+
+    policy: Mapped[str] = mapped_column(Text, primary_key=True)
+    state: Mapped[str] = mapped_column(Text)
+    """`starting`, `waiting` (batch filling), `training`, `starved`, `stalled`, `stopped`."""
+    detail: Mapped[str | None] = mapped_column(Text)
+    version: Mapped[int | None] = mapped_column(Integer)
+    steps: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    stale_dropped: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    metrics: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'"))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

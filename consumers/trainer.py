@@ -1,0 +1,96 @@
+"""Trainer: continual GRPO on a LoRA adapter from scored groups.
+
+Subscribes: `<prefix>.rollouts` (`GroupScored`, trainable groups), group `trainer.group_id`.
+Writes:     the adapter store (atomic, checksummed versions), `adapter_versions`,
+            `rollout_groups.trained_at/consumed_as`, `trainer_status` (heartbeat),
+            `events` + `outbox`.
+Publishes (through the outbox): `AdapterTrained` → `<prefix>.adapters`.
+
+Batches B groups per step; drops groups sampled more than `max_staleness` versions ago
+(recorded and counted); publishes a version every `publish_every` steps; commits offsets
+only once their groups' effect is durable. Reports `starved`/`stalled` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from faststream import AckPolicy, FastStream
+from faststream.kafka import KafkaBroker
+from faststream.kafka.annotations import KafkaMessage
+from faststream.message import StreamMessage
+
+from flywheel.config import Settings
+from flywheel.db.engine import make_engine
+from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
+from flywheel.runtime.service import run_faststream
+from flywheel.trainer.service import TrainerService
+
+log = logging.getLogger("flywheel.trainer")
+HEARTBEAT_S = 2.0
+
+
+async def _raw_batch(msg: StreamMessage[Any]) -> Any:
+    return msg.raw_message
+
+
+def build_app(settings: Settings) -> FastStream:
+    broker = KafkaBroker(resolve_bootstrap(settings), logger=log)
+    engine = make_engine(resolve_db_url(settings), pool_size=2)
+    service = TrainerService(settings, engine)
+    tasks: list[asyncio.Task[None]] = []
+
+    @broker.subscriber(
+        settings.topics.rollouts,
+        group_id=settings.trainer.group_id,
+        ack_policy=AckPolicy.MANUAL,
+        batch=True,
+        max_records=settings.rollout.train_batch_groups * 4,
+        auto_offset_reset="earliest",
+        session_timeout_ms=settings.kafka.session_timeout_ms,
+        heartbeat_interval_ms=settings.kafka.heartbeat_interval_ms,
+        max_poll_interval_ms=60 * 60 * 1000,  # a CPU step can take minutes
+        decoder=_raw_batch,
+    )
+    async def train(batch: Any, msg: KafkaMessage) -> None:
+        await service.on_records(list(batch), msg.consumer)
+
+    app = FastStream(broker, logger=log)
+
+    @app.on_startup
+    async def _load() -> None:
+        await service.start()
+
+        async def beat() -> None:
+            while True:
+                try:
+                    await service.heartbeat()
+                except Exception as err:  # a missed heartbeat must not stop training
+                    log.warning("heartbeat failed: %s", err)
+                await asyncio.sleep(HEARTBEAT_S)
+
+        tasks.append(asyncio.create_task(beat()))
+
+    @app.after_shutdown
+    async def _close() -> None:
+        for t in tasks:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        service.status.state = "stopped"
+        with contextlib.suppress(Exception):
+            await service.heartbeat()
+        await engine.dispose()
+
+    return app
+
+
+def main() -> None:
+    run_faststream(build_app)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""GRPO trainer: loss, adapter store, training service."""

@@ -1,0 +1,163 @@
+"""The LoRA policy being trained, and one GRPO optimizer step over scored groups (CPU/GPU).
+
+The base model is loaded once; the adapter is either fresh (LoRA B = 0, so the policy starts
+equal to the base) or resumed from a published version together with its optimizer state.
+Old log-probs come from sampling (never recomputed), so the importance ratio corrects for
+any staleness. The KL reference is the base model — the same weights with the adapter
+disabled, no second copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from flywheel.events import GroupScoredPayload
+from flywheel.policy.local import token_logprobs
+from flywheel.trainer.grpo import GRPOConfig, group_advantages, grpo_loss
+
+STATE_FILE = "trainer_state.pt"
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One model turn to train on: tokens as sampled, their sampling log-probs, advantage."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    old_logprobs: list[float]
+    advantage: float
+    temperature: float
+
+
+def samples_from_groups(groups: Sequence[GroupScoredPayload], cfg: GRPOConfig) -> list[Sample]:
+    """Every scored turn of every group, with its group-relative advantage.
+
+    Rollouts that did not run have no reward: they get no advantage and are not trained on.
+    """
+    out: list[Sample] = []
+    for g in groups:
+        advantages = group_advantages([r.reward for r in g.rollouts], scale_std=cfg.scale_std,
+                                      eps=cfg.std_eps)
+        for r, adv in zip(g.rollouts, advantages, strict=True):
+            if adv is None:
+                continue
+            for turn in r.turns:
+                if turn.token_ids:
+                    out.append(Sample(turn.prompt_token_ids, turn.token_ids, turn.logprobs,
+                                      adv, g.temperature))
+    return out
+
+
+def _batch(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tensor]:
+    """Left-padded [b, L] inputs; completions end every row, so the last K logits suffice."""
+    width = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    keep = max(len(s.completion_ids) for s in samples)
+    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(samples), width), dtype=torch.long)
+    old = torch.zeros((len(samples), keep))
+    mask = torch.zeros((len(samples), keep), dtype=torch.bool)
+    for i, s in enumerate(samples):
+        seq = [*s.prompt_ids, *s.completion_ids]
+        ids[i, width - len(seq):] = torch.tensor(seq)
+        attn[i, width - len(seq):] = 1
+        c = len(s.completion_ids)
+        old[i, keep - c:] = torch.tensor(s.old_logprobs[:c])
+        mask[i, keep - c:] = True
+    return {"ids": ids, "attn": attn, "old": old, "mask": mask,
+            "adv": torch.tensor([s.advantage for s in samples]), "keep": torch.tensor(keep)}
+
+
+class LoRATrainer:
+    def __init__(self, model_dir: Path, *, lora: LoRASpec, grpo: GRPOConfig, lr: float,
+                 grad_clip: float = 1.0, micro_batch: int = 4,
+                 resume_from: Path | None = None) -> None:
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.pad_id = int(base.config.pad_token_id or base.config.eos_token_id or 0)
+        self.model: Any
+        if resume_from is not None:
+            self.model = PeftModel.from_pretrained(base, resume_from, is_trainable=True)
+        else:
+            self.model = get_peft_model(base, LoraConfig(
+                r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
+        self.grpo, self.grad_clip, self.micro_batch = grpo, grad_clip, micro_batch
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        self.steps = 0
+        if resume_from is not None and (resume_from / STATE_FILE).exists():
+            state = torch.load(resume_from / STATE_FILE, weights_only=True)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.steps = int(state["steps"])
+
+    def _logps(self, b: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+        """Log-probs of the completion tokens, [b, K] (K = longest completion)."""
+        keep = int(b["keep"])
+        position_ids = (b["attn"].cumsum(-1) - 1).clamp(min=0)
+        logits = self.model(input_ids=b["ids"], attention_mask=b["attn"],
+                            position_ids=position_ids, logits_to_keep=keep + 1).logits
+        # logits[:, j] predicts token at column width - keep - 1 + j + 1.
+        return token_logprobs(logits[:, :-1], b["ids"][:, -keep:], temperature)
+
+    def step(self, groups: Sequence[GroupScoredPayload]) -> dict[str, float]:
+        """One optimizer step over every scored turn in `groups`."""
+        started = time.perf_counter()
+        samples = samples_from_groups(groups, self.grpo)
+        self.model.train()
+        total_tokens = sum(len(s.completion_ids) for s in samples)
+        metrics: dict[str, float] = {"samples": float(len(samples)),
+                                     "tokens": float(total_tokens)}
+        sums: dict[str, float] = {}
+        for i in range(0, len(samples), self.micro_batch):
+            chunk = samples[i:i + self.micro_batch]
+            b = _batch(chunk, self.pad_id)
+            logp = self._logps(b, chunk[0].temperature)
+            ref = None
+            if self.grpo.kl_coef > 0:
+                with torch.no_grad(), self.model.disable_adapter():
+                    ref = self._logps(b, chunk[0].temperature)
+            # Padding columns never reach the loss, not even as NaN × 0.
+            logp = torch.where(b["mask"], logp, torch.zeros_like(logp))
+            if ref is not None:
+                ref = torch.where(b["mask"], ref, torch.zeros_like(ref))
+            loss, m = grpo_loss(logp, b["old"], b["adv"], b["mask"], self.grpo, ref_logp=ref)
+            # Weight micro-batches so the step equals one loss over the whole batch.
+            weight = (int(b["mask"].sum()) / max(total_tokens, 1)
+                      if self.grpo.loss_norm == "token" else len(chunk) / len(samples))
+            (loss * weight).backward()  # type: ignore[no-untyped-call]
+            for k, v in m.items():
+                if k != "tokens":
+                    sums[k] = sums.get(k, 0.0) + float(v) * weight
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.model.parameters() if p.requires_grad], self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        rewards = [r.reward for g in groups for r in g.rollouts if r.reward is not None]
+        metrics.update(sums)
+        metrics.update({"grad_norm": float(grad_norm), "step_s": time.perf_counter() - started,
+                        "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+                        "tokens_per_s": total_tokens / max(time.perf_counter() - started, 1e-9)})
+        return metrics
+
+    def save(self, directory: Path) -> None:
+        """Adapter weights + optimizer state: everything needed to resume exactly."""
+        directory.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(directory)
+        torch.save({"optimizer": self.optimizer.state_dict(), "steps": self.steps},
+                   directory / STATE_FILE)

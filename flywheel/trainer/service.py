@@ -1,0 +1,254 @@
+"""The trainer service's logic: batching, staleness, steps, atomic publication, heartbeat.
+
+Durability: Kafka offsets are committed only up to groups whose effect is durable — trained
+into a published, registered version, or dropped as stale (recorded) — never past a group
+still waiting in the in-memory batch. A crash therefore resumes from the last published
+version (weights and optimizer state) and re-reads exactly the groups it had not published;
+groups already in a version are recognised in Postgres and skipped, so none is trained twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiokafka import TopicPartition
+from aiokafka.errors import KafkaError
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from flywheel.config import Settings
+from flywheel.db.repo import append_events
+from flywheel.events import AdapterTrained, AdapterTrainedPayload, GroupScored, parse_event
+from flywheel.trainer.grpo import GRPOConfig
+
+log = logging.getLogger("flywheel.trainer")
+
+
+@dataclass
+class _Pending:
+    tp: TopicPartition
+    offset: int
+    group: Any  # GroupScoredPayload
+
+
+@dataclass
+class TrainerState:
+    state: str = "starting"
+    detail: str | None = None
+    last_group_at: float = field(default_factory=time.monotonic)
+    step_started_at: float | None = None
+    stale_dropped: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def grpo_config(settings: Settings) -> GRPOConfig:
+    t = settings.trainer
+    return GRPOConfig(eps_low=t.eps_low, eps_high=t.eps_high, kl_coef=t.kl_coef,
+                      scale_std=t.scale_std, loss_norm=t.loss_norm)
+
+
+class TrainerService:
+    def __init__(self, settings: Settings, engine: AsyncEngine) -> None:
+        from flywheel.trainer.store import AdapterStore
+
+        self.settings, self.engine = settings, engine
+        self.policy = settings.rollout.policy
+        root = settings.trainer.adapters_dir or settings.home / "adapters"
+        self.store = AdapterStore(root.resolve())
+        self.version: int | None = None
+        self.trainer: Any = None
+        self.batch: list[_Pending] = []       # received, waiting for a full batch
+        self.trained: list[_Pending] = []     # trained since the last publication
+        self.stale: list[_Pending] = []       # dropped as stale since the last publication
+        self.consumed: dict[TopicPartition, int] = {}  # next offset per partition, all seen
+        self.steps_since_publish = 0
+        self.status = TrainerState()
+
+    async def start(self) -> None:
+        """Resume from the newest registered version (its weights and optimizer state)."""
+        from flywheel.policy.model_cache import resolve_model_dir
+        from flywheel.trainer.engine import LoRASpec, LoRATrainer
+
+        async with self.engine.connect() as conn:
+            self.version = (await conn.execute(text(
+                "SELECT max(version) FROM adapter_versions WHERE policy = :p"),
+                {"p": self.policy})).scalar()
+        for orphan in [v for v in self.store.versions(self.policy)
+                       if self.version is None or v > self.version]:
+            # Published but never registered (a crash in between): not a version anyone saw.
+            self._discard(orphan)
+        resume = None
+        if self.version is not None:
+            ref, _ = self.store.load(self.policy, self.version)  # refuses corrupted artifacts
+            resume = ref.path
+        t = self.settings.trainer
+        self.model_dir = resolve_model_dir(self.settings.rollout.model_dir)
+        self.trainer = await asyncio.to_thread(
+            LoRATrainer, self.model_dir, lora=LoRASpec(r=t.lora_r, alpha=t.lora_alpha),
+            grpo=grpo_config(self.settings), lr=t.lr, grad_clip=t.grad_clip,
+            micro_batch=t.micro_batch, resume_from=resume)
+        self.status.state, self.status.detail = "waiting", None
+        self.status.last_group_at = time.monotonic()
+        log.info("trainer ready at %s", f"{self.policy}@v{self.version}" if self.version
+                 else "the base model")
+
+    def _discard(self, version: int) -> None:
+        path = self.store.path(self.policy, version)
+        trash = path.with_name(f".trash-orphan-{version}-{uuid.uuid4().hex[:6]}")
+        path.rename(trash)
+        shutil.rmtree(trash, ignore_errors=True)
+        log.warning("discarded unregistered adapter %s@v%d left by a crash", self.policy, version)
+
+    async def on_records(self, records: list[Any], consumer: Any) -> None:
+        """Take a fetch of `GroupScored` records; train and publish as batches fill."""
+        items = []
+        for r in records:
+            tp = TopicPartition(r.topic, r.partition)
+            self.consumed[tp] = max(self.consumed.get(tp, 0), r.offset + 1)
+            event = parse_event(r.value)
+            if isinstance(event, GroupScored) and event.payload.trainable:
+                items.append(_Pending(tp, r.offset, event.payload))
+        if items:
+            self.status.last_group_at = time.monotonic()
+        done = await self._already_consumed([p.group.group_id for p in items])
+        current = self.version or 0
+        for p in items:
+            if p.group.group_id in done:
+                continue  # trained into a published version before a crash
+            if current - (p.group.adapter_version or 0) > self.settings.rollout.max_staleness:
+                self.stale.append(p)
+            else:
+                self.batch.append(p)
+        b = self.settings.rollout.train_batch_groups
+        while len(self.batch) >= b:
+            chunk, self.batch = self.batch[:b], self.batch[b:]
+            await self._step(chunk)
+            if self.steps_since_publish >= self.settings.trainer.publish_every:
+                await self.publish(consumer)
+        if not self.trained and self.stale and not self.batch:
+            await self._record_stale_only(consumer)
+
+    async def _already_consumed(self, ids: list[uuid.UUID]) -> set[uuid.UUID]:
+        if not ids:
+            return set()
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(text("""SELECT group_id FROM rollout_groups
+                WHERE group_id = ANY(CAST(:ids AS uuid[])) AND trained_at IS NOT NULL"""),
+                {"ids": ids})
+            return set(rows.scalars())
+
+    async def _step(self, chunk: list[_Pending]) -> None:
+        self.status.state, self.status.step_started_at = "training", time.monotonic()
+        try:
+            metrics = await asyncio.to_thread(self.trainer.step, [p.group for p in chunk])
+        finally:
+            self.status.step_started_at = None
+        self.trained += chunk
+        self.steps_since_publish += 1
+        self.status.metrics = metrics
+        self.status.state = "waiting"
+        log.info("step %d: loss %.4f reward %.3f clip %.3f tokens/s %.0f", self.trainer.steps,
+                 metrics.get("loss", 0.0), metrics.get("reward_mean", 0.0),
+                 metrics.get("clip_frac", 0.0), metrics.get("tokens_per_s", 0.0))
+
+    def _committable(self) -> dict[TopicPartition, int]:
+        """Per partition: everything before the first group still waiting in the batch."""
+        safe = dict(self.consumed)
+        for p in self.batch:
+            safe[p.tp] = min(safe.get(p.tp, p.offset), p.offset)
+        return safe
+
+    async def _commit(self, consumer: Any) -> None:
+        try:
+            await consumer.commit(self._committable())
+        except KafkaError as err:
+            log.warning("offset commit skipped (%s); redelivered groups are skipped", err)
+
+    async def _mark_stale(self, conn: Any) -> None:
+        if self.stale:
+            await conn.execute(text("""UPDATE rollout_groups SET trained_at = now(),
+                consumed_as = 'stale' WHERE group_id = ANY(CAST(:ids AS uuid[]))"""),
+                {"ids": [p.group.group_id for p in self.stale]})
+
+    async def _record_stale_only(self, consumer: Any) -> None:
+        async with self.engine.begin() as conn:
+            await self._mark_stale(conn)
+        self.status.stale_dropped += len(self.stale)
+        log.warning("dropped %d stale groups (older than %d versions)", len(self.stale),
+                    self.settings.rollout.max_staleness)
+        self.stale = []
+        await self._commit(consumer)
+
+    async def publish(self, consumer: Any) -> int:
+        """Write the adapter atomically, register it, emit AdapterTrained, then commit."""
+        version = (self.version or 0) + 1
+        self.store.root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".staging-v{version}-",
+                                        dir=self.store.root))
+        try:
+            await asyncio.to_thread(self.trainer.save, staging)
+            ids = [str(p.group.group_id) for p in self.trained]
+            ref = await asyncio.to_thread(
+                self.store.publish, self.policy, version, staging,
+                base_model=str(self.model_dir), parent_version=self.version,
+                steps=self.trainer.steps, groups_consumed=ids, stage="grpo")
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        payload = AdapterTrainedPayload(
+            policy=self.policy, version=version, parent_version=self.version,
+            path=str(ref.path), stage="grpo", steps=self.trainer.steps, groups=len(ids),
+            stale_dropped=len(self.stale), metrics=self.status.metrics)
+        event = AdapterTrained(aggregate_id=f"{self.policy}@v{version}", payload=payload)
+        async with self.engine.begin() as conn:
+            await conn.execute(text("""INSERT INTO adapter_versions
+                (policy, version, path, parent_version, stage, steps)
+                VALUES (:p, :v, :path, :parent, 'grpo', :steps)"""),
+                {"p": self.policy, "v": version, "path": str(ref.path),
+                 "parent": self.version, "steps": self.trainer.steps})
+            await conn.execute(text("""UPDATE rollout_groups SET trained_at = now(),
+                consumed_as = 'trained', trained_version = :v
+                WHERE group_id = ANY(CAST(:ids AS uuid[]))"""),
+                {"v": version, "ids": [p.group.group_id for p in self.trained]})
+            await self._mark_stale(conn)
+            await append_events(conn, [(event, self.settings.topics.adapters)])
+        self.status.stale_dropped += len(self.stale)
+        self.version, self.trained, self.stale, self.steps_since_publish = version, [], [], 0
+        await self._commit(consumer)
+        log.info("published %s@v%d (%d groups)", self.policy, version, len(ids))
+        return version
+
+    def watch(self) -> tuple[str, str | None]:
+        """The state to report: a long step is `stalled`, a long silence is `starved`."""
+        now, t = time.monotonic(), self.settings.trainer
+        s = self.status
+        if s.step_started_at is not None and now - s.step_started_at > t.stalled_after_s:
+            return "stalled", f"step running for {now - s.step_started_at:.0f}s"
+        if s.state == "waiting" and now - s.last_group_at > t.starved_after_s:
+            return ("starved", f"no scored groups for {now - s.last_group_at:.0f}s "
+                    f"({len(self.batch)} of {self.settings.rollout.train_batch_groups} "
+                    "waiting): are rollout workers running?")
+        return s.state, s.detail
+
+    async def heartbeat(self) -> None:
+        state, detail = self.watch()
+        async with self.engine.begin() as conn:
+            await conn.execute(text("""
+                INSERT INTO trainer_status (policy, state, detail, version, steps,
+                                            stale_dropped, metrics, updated_at)
+                VALUES (:p, :s, :d, :v, :steps, :stale, CAST(:m AS jsonb), now())
+                ON CONFLICT (policy) DO UPDATE SET state = :s, detail = :d, version = :v,
+                    steps = :steps, stale_dropped = :stale, metrics = CAST(:m AS jsonb),
+                    updated_at = now()"""),
+                {"p": self.policy, "s": state, "d": detail, "v": self.version,
+                 "steps": self.trainer.steps if self.trainer else 0,
+                 "stale": self.status.stale_dropped,
+                 "m": json.dumps(self.status.metrics)})

@@ -1,0 +1,169 @@
+"""The trainer on the real model: on-policy ratios, kill-and-resume, corrupted artifacts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import uuid
+from pathlib import Path
+
+import asyncpg
+import pytest
+from aiokafka import AIOKafkaProducer
+
+from flywheel.config import Settings
+from flywheel.db.engine import make_engine
+from flywheel.environments import load_environment
+from flywheel.events import GroupScored, GroupScoredPayload
+from flywheel.kafka import ensure_topics
+from flywheel.mining.store import store_task
+from flywheel.policy.local import LocalPolicy
+from flywheel.policy.model_cache import resolve_model_dir
+from flywheel.rollout.loop import GroupConfig, run_group
+from flywheel.samples import TOOLS
+from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
+from flywheel.trainer.store import AdapterStore, CorruptAdapter
+from tests.helpers import scalar, spawn
+
+pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.postgres]
+GROUPS = 6
+
+
+def _task(city: str) -> TaskSpec:
+    return TaskSpec(task_id=uuid.uuid4(), env="tool_call", tools=TOOLS,
+                    messages=[{"role": "user", "content": f"What's the weather in {city}?"}],
+                    verifier=ToolCallSpec(expected=ExpectedCall(
+                        name="get_weather", arguments={"city": city, "unit": "c"})),
+                    failure_mode="bad_arguments", fingerprint=f"fp-{city}-{uuid.uuid4()}",
+                    split="train")
+
+
+@pytest.fixture(scope="module")
+def groups() -> list[tuple[TaskSpec, GroupScoredPayload]]:
+    """Real groups sampled from the base model (trainable ones only)."""
+    async def sample() -> list[tuple[TaskSpec, GroupScoredPayload]]:
+        policy = LocalPolicy(resolve_model_dir(None))
+        out: list[tuple[TaskSpec, GroupScoredPayload]] = []
+        cfg = GroupConfig(group_size=4, max_tokens=16, temperature=1.0)
+        cities = ["Oslo", "Lima", "Pune", "Quito", "Paris", "Lagos", "Osaka", "Austin"] * 3
+        for seed, city in enumerate(cities):
+            task = _task(city)
+            g = await run_group(policy, task, load_environment("tool_call"), cfg, adapter=None,
+                                seed=seed, group_key=city)
+            if g.trainable:
+                out.append((task, GroupScoredPayload(
+                    group_id=uuid.uuid4(), task_id=task.task_id, env="tool_call",
+                    adapter=None, adapter_version=None, temperature=1.0,
+                    rollouts=g.rollouts, reward_mean=g.reward_mean, reward_std=g.reward_std,
+                    trainable=True, worker="test")))
+            if len(out) == GROUPS:
+                break
+        await policy.close()
+        return out
+
+    found = asyncio.run(sample())
+    assert len(found) == GROUPS, "the base model should give varied rewards"
+    return found
+
+
+def test_fresh_adapter_is_on_policy_and_a_step_is_finite(
+        groups: list[tuple[TaskSpec, GroupScoredPayload]]) -> None:
+    import torch
+
+    from flywheel.trainer.engine import LoRASpec, LoRATrainer, _batch, samples_from_groups
+    from flywheel.trainer.grpo import GRPOConfig
+
+    trainer = LoRATrainer(resolve_model_dir(None), lora=LoRASpec(r=8), grpo=GRPOConfig(),
+                          lr=1e-3, micro_batch=4)
+    samples = samples_from_groups([g for _, g in groups[:2]], trainer.grpo)
+    b = _batch(samples[:4], trainer.pad_id)
+    with torch.no_grad():
+        logp = trainer._logps(b, 1.0)
+    diff = (logp - b["old"]).abs()[b["mask"]]
+    assert float(diff.max()) < 1e-3  # LoRA starts at zero: ratio 1 against sampling
+    before = [p.detach().clone() for p in trainer.model.parameters() if p.requires_grad]
+    metrics = trainer.step([g for _, g in groups[:2]])
+    assert all(v == v for v in metrics.values())  # no NaN
+    assert abs(metrics["ratio_mean"] - 1.0) < 1e-3 and metrics["clip_frac"] == 0.0
+    after = [p for p in trainer.model.parameters() if p.requires_grad]
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+async def test_kill_and_resume_trains_every_group_exactly_once(
+        groups: list[tuple[TaskSpec, GroupScoredPayload]], settings: Settings, db_url: str,
+        pg_dsn: str, tmp_path: Path) -> None:
+    assert settings.kafka.bootstrap
+    s = settings.model_copy(update={
+        "rollout": settings.rollout.model_copy(update={
+            "train_batch_groups": 2, "model_dir": resolve_model_dir(None)}),
+        "trainer": settings.trainer.model_copy(update={
+            "publish_every": 1, "adapters_dir": tmp_path / "adapters", "lora_r": 8})})
+    await ensure_topics(s.kafka.bootstrap, s.topics.all(), partitions=1)
+    engine = make_engine(db_url)
+    async with engine.begin() as conn:
+        for task, g in groups:
+            await store_task(conn, task, uuid.uuid4(), "test", s.topics.tasks)
+            from sqlalchemy import text
+
+            await conn.execute(text("""INSERT INTO rollout_groups (group_id, task_id, env,
+                scored, not_run, trainable, rollouts, worker, duration_ms)
+                VALUES (:g, :t, 'tool_call', 4, 0, true, '[]', 'test', 1)"""),
+                {"g": g.group_id, "t": task.task_id})
+    await engine.dispose()
+    producer = AIOKafkaProducer(bootstrap_servers=s.kafka.bootstrap)
+    await producer.start()
+    for _, g in groups:
+        event = GroupScored(aggregate_id=str(g.task_id), payload=g)
+        await producer.send_and_wait(s.topics.rollouts, event.model_dump_json().encode())
+    await producer.stop()
+
+    log = tmp_path / "trainer.log"
+    proc = spawn("consumers.trainer", s, log)
+    try:
+        deadline = asyncio.get_running_loop().time() + 300
+        while await scalar(pg_dsn, "SELECT count(*) FROM adapter_versions") < 1:
+            assert proc.poll() is None and asyncio.get_running_loop().time() < deadline, \
+                log.read_text()[-3000:]
+            await asyncio.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)  # mid-way: version 1 out, step 2 under way
+        proc.wait()
+        assert await scalar(pg_dsn, "SELECT count(*) FROM adapter_versions") < GROUPS // 2
+        proc = spawn("consumers.trainer", s, log)
+        while await scalar(pg_dsn, "SELECT count(*) FROM adapter_versions") < GROUPS // 2:
+            assert proc.poll() is None and asyncio.get_running_loop().time() < deadline, \
+                log.read_text()[-3000:]
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(3)  # nothing more may be published: every group is used up
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert await scalar(pg_dsn, "SELECT count(*) FROM adapter_versions") == GROUPS // 2
+    store = AdapterStore(tmp_path / "adapters")
+    seen: list[str] = []
+    parents = []
+    for v in store.versions("policy"):
+        _, manifest = store.load("policy", v)
+        seen += [str(x) for x in manifest.groups_consumed]
+        parents.append(manifest.parent_version)
+    assert sorted(seen) == sorted(str(g.group_id) for _, g in groups)  # none lost or twice
+    assert parents == [None, 1, 2]
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM rollout_groups WHERE consumed_as = "
+                                   "'trained' AND trained_version IS NOT NULL") == GROUPS
+        assert await conn.fetchval(
+            "SELECT count(*) FROM events WHERE type = 'AdapterTrained'") == GROUPS // 2
+        status = await conn.fetchrow("SELECT state, version FROM trainer_status")
+        assert status["version"] == GROUPS // 2 and status["state"] in {"stopped", "waiting"}
+    finally:
+        await conn.close()
+
+    # A tampered artifact is refused at load, with the file named.
+    weights = next(store.path("policy", 3).glob("adapter_model.*"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CorruptAdapter, match=weights.name):
+        store.load("policy", 3)
+    json.dumps(seen)
