@@ -23,6 +23,7 @@ import signal
 from collections.abc import Coroutine
 from typing import Any
 
+import asyncpg
 from aiokafka import ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
 from faststream import AckPolicy, FastStream
@@ -52,7 +53,10 @@ log = logging.getLogger("flywheel.ingest")
 
 
 def _transient(err: BaseException) -> bool:
-    if isinstance(err, OperationalError | OSError | asyncio.TimeoutError):
+    # The COPY path raises asyncpg's own errors (not wrapped by SQLAlchemy).
+    if isinstance(err, OperationalError | OSError | asyncio.TimeoutError
+                  | asyncpg.TransactionRollbackError | asyncpg.PostgresConnectionError
+                  | asyncpg.InterfaceError | asyncpg.OperatorInterventionError):
         return True
     return isinstance(err, DBAPIError) and err.connection_invalidated
 

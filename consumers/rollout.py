@@ -12,6 +12,7 @@ Before sampling, a worker waits while the untrained backlog is at max_staleness 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -23,11 +24,12 @@ from flywheel.config import Settings
 from flywheel.db.engine import make_engine
 from flywheel.events import RolloutRequested, parse_event
 from flywheel.policy.factory import make_policy
-from flywheel.rollout.service import handle_request, worker_name
+from flywheel.rollout.service import fail_request, handle_request, worker_name
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
 from flywheel.runtime.service import run_faststream
 
 log = logging.getLogger("flywheel.rollout")
+RETRY_BACKOFF_S = 5.0
 
 
 async def _raw(msg: StreamMessage[Any]) -> Any:
@@ -55,8 +57,20 @@ def build_app(settings: Settings) -> FastStream:
         event = parse_event(body)
         if not isinstance(event, RolloutRequested):
             return
-        outcome = await handle_request(event.payload, engine=engine, policy=policy,
-                                       settings=settings, worker=worker)
+        try:
+            outcome = await handle_request(event.payload, engine=engine, policy=policy,
+                                           settings=settings, worker=worker)
+        except (LookupError, ValueError) as err:
+            # Permanent (unknown adapter or environment, bad task): fail it, move on.
+            log.error("rollout request %s failed: %s", event.payload.request_id, err)
+            await fail_request(engine, event.payload.request_id, str(err))
+            return
+        except Exception as err:
+            # Transient (engine or database down): back off before the redelivery.
+            log.warning("rollout request %s will be retried: %s", event.payload.request_id,
+                        err)
+            await asyncio.sleep(RETRY_BACKOFF_S)
+            raise
         if outcome is not None:
             log.info("group %s: %d scored, mean reward %s, trainable %s",
                      event.payload.request_id, len(outcome.scored), outcome.reward_mean,

@@ -34,6 +34,15 @@ async def schedule_once(engine: AsyncEngine, settings: Settings, rng: random.Ran
     budget = cfg.max_staleness * cfg.train_batch_groups
     async with engine.begin() as conn:
         await conn.execute(text("SELECT pg_advisory_xact_lock(hashtext('flywheel-scheduler'))"))
+        # A request unanswered for long (its message lost with a memory-only broker, or a
+        # worker that keeps failing) must not hold budget or its task forever.
+        expired = (await conn.execute(text("""
+            UPDATE rollout_requests SET status = 'expired', done_at = now()
+            WHERE status = 'requested'
+              AND created_at < now() - make_interval(secs => :ttl)"""),
+            {"ttl": 3 * cfg.rollout_timeout_s})).rowcount
+        if expired:
+            log.warning("expired %d unanswered rollout requests", expired)
         room = budget - await store.backlog(conn) - await store.outstanding(conn)
         if room <= 0:
             return 0

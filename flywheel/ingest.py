@@ -101,10 +101,31 @@ def _validate(value: bytes) -> tuple[Trajectory | tuple[Reason, str], bool]:
         return ("schema", _TOO_DEEP), False
 
 
+def _unstorable(value: bytes) -> str | None:
+    """Valid-looking JSON that Postgres' jsonb refuses: NUL characters, NaN/Infinity."""
+    if b"\x00" in value or b"\\u0000" in value:
+        return "contains a NUL character (\\u0000), which Postgres cannot store; remove it"
+    if b"NaN" in value or b"Infinity" in value:
+        def refuse(token: str) -> None:
+            raise ValueError(token)
+
+        try:
+            json.loads(value, parse_constant=refuse)
+        except ValueError as err:
+            if str(err) in {"NaN", "Infinity", "-Infinity"}:
+                return f"contains {err}, which is not valid JSON; send null or a number"
+        except RecursionError:
+            return None  # rejected later as too deep
+    return None
+
+
 def _classify_one(rec: RawRecord, max_bytes: int) -> Accepted | Rejected:
     value = rec.value
     if len(value) > max_bytes:
         return Rejected(rec, *_too_large(value, max_bytes))
+    problem = _unstorable(value)
+    if problem is not None:
+        return Rejected(rec, "schema", problem)
     row = fast_decode(value)
     if row is not None:
         return Accepted(rec, row, value.decode())
@@ -141,7 +162,8 @@ def dead_letter_event(r: Rejected) -> DeadLettered:
         payload=DeadLetterPayload(
             source_topic=src.topic, partition=src.partition, offset=src.offset,
             reason=r.reason, error=r.error, size_bytes=len(src.value),
-            raw_preview=src.value[:1024].decode("utf-8", errors="replace"),
+            raw_preview=src.value[:1024].decode("utf-8", errors="replace").replace(
+                "\x00", "\ufffd"),
         ),
     )
 

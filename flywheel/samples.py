@@ -98,10 +98,11 @@ def make_trajectory(rng: random.Random, *, failure_rate: float = 0.3,
 
 
 def bad_payloads(rng: random.Random, n: int, *, max_bytes: int = 1_048_576) -> list[bytes]:
-    """`n` payloads that ingest must dead-letter: not JSON, schema violations, oversized."""
+    """`n` payloads that ingest must dead-letter: not JSON, schema violations, oversized,
+    and JSON that Postgres cannot store (a NUL character, NaN)."""
     out: list[bytes] = []
     for i in range(n):
-        kind = i % 4
+        kind = i % 6
         if kind == 0:
             out.append(b"{not json" + str(rng.random()).encode())
         elif kind == 1:
@@ -112,8 +113,16 @@ def bad_payloads(rng: random.Random, n: int, *, max_bytes: int = 1_048_576) -> l
             t = make_trajectory(rng)
             del t["agent"]
             out.append(json.dumps(t).encode())
-        else:
+        elif kind == 3:
             t = make_trajectory(rng)
             t["metadata"] = {"blob": "x" * (max_bytes + 1)}
             out.append(json.dumps(t).encode())
+        elif kind == 4:
+            t = make_trajectory(rng)
+            t["items"][1]["content"] += "\u0000"
+            out.append(json.dumps(t).encode())
+        else:
+            t = make_trajectory(rng)
+            t["outcome"]["reward"] = float("nan")
+            out.append(json.dumps(t).encode())  # json.dumps writes a bare NaN
     return out

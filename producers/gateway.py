@@ -112,6 +112,16 @@ def split_records(doc: Any) -> list[Any]:
 def prepare(body: bytes, *, max_payload_bytes: int) -> list[Prepared]:
     """Decode and validate a request body; all records are good, or `Rejection` is raised."""
     try:
+        return _prepare(body, max_payload_bytes=max_payload_bytes)
+    except RecursionError:
+        raise Rejection(400, "the body is nested too deeply to be a trajectory") from None
+
+
+def _prepare(body: bytes, *, max_payload_bytes: int) -> list[Prepared]:
+    if b"\\u0000" in body:
+        raise Rejection(422, "the body contains a NUL character (\\u0000), which cannot be "
+                             "stored; remove it")
+    try:
         doc = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise Rejection(400, f"the body is not valid UTF-8 JSON ({err}); send one trajectory"

@@ -93,3 +93,24 @@ async def test_training_selection_refuses_holdout_tasks(db_url: str) -> None:
             await store.training_tasks(conn, task_ids=[holdout_id, train[0].task_id])
         assert await store.training_tasks(conn, task_ids=[uuid.uuid4()]) == []
     await engine.dispose()
+
+
+async def test_unminable_trajectories_are_skipped_not_wedging(db_url: str, pg_dsn: str) -> None:
+    good = list(simulate(200, agents=1, failure_rate=0.9, seed=41))
+    poison = [dict(good[0], trajectory_id=str(uuid.uuid4()))]
+    poison[0]["outcome"] = {**poison[0]["outcome"], "status": "failure",
+                            "feedback": '{"expected_call": {"tool": "x"}}'}
+    bad_regex = dict(good[1], trajectory_id=str(uuid.uuid4()),
+                     outcome={"status": "failure"})
+    bad_regex["tools"] = [{"type": "function", "name": "get_weather",
+                           "parameters": {"type": "object", "properties": {
+                               "city": {"type": "string", "pattern": "("}}}}]
+    await _mine(db_url, [*poison, bad_regex, *good])
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        failed = {r["trajectory_id"] for r in good if r["outcome"]["status"] != "success"}
+        mined = {str(r[0]) for r in await conn.fetch("SELECT trajectory_id FROM failures")}
+        assert failed <= mined  # the batch went through despite the odd records
+        assert poison[0]["trajectory_id"] in mined  # malformed feedback: still classified
+    finally:
+        await conn.close()

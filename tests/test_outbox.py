@@ -75,3 +75,35 @@ async def test_append_is_idempotent_on_event_id(settings: Settings, db_url: str,
     await engine.dispose()
     assert await scalar(pg_dsn, "SELECT count(*) FROM events") == 1
     assert await scalar(pg_dsn, "SELECT count(*) FROM outbox") == 1
+
+
+async def test_row_the_broker_refuses_is_parked_not_blocking(settings: Settings, db_url: str,
+                                                             pg_dsn: str,
+                                                             tmp_path: Path) -> None:
+    assert settings.kafka.bootstrap
+    topic = settings.topics.trajectories_dlq
+    await ensure_topics(settings.kafka.bootstrap, [topic], partitions=1)
+    engine = make_engine(db_url)
+    async with engine.begin() as conn:
+        await append_events(conn, [(_event(1), topic)])
+        from sqlalchemy import text
+
+        # A row larger than any broker accepts, queued between two good ones.
+        await conn.execute(text("INSERT INTO outbox (event_id, topic, key, value) "
+                                "VALUES (gen_random_uuid(), :t, 'k', :v)"),
+                           {"t": topic, "v": b"x" * (9 * 1_048_576)})
+        await append_events(conn, [(_event(2), topic)])
+    await engine.dispose()
+    relay = spawn("producers.relay", settings, tmp_path / "relay.log")
+    try:
+        values = await _consume(settings.kafka.bootstrap, topic, 2)
+        assert await wait_for(pg_dsn, "SELECT count(*) FROM outbox WHERE error IS NOT NULL",
+                              1) == 1
+        assert await wait_for(
+            pg_dsn, "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL", 2) == 2
+    finally:
+        relay.terminate()
+        relay.wait(10)
+    assert len(values) == 2
+    assert await scalar(pg_dsn, "SELECT count(*) FROM outbox WHERE error LIKE '%TooLarge%'") \
+        == 1

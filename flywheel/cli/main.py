@@ -323,6 +323,23 @@ def bench_rollout(
             console.print(f"{k:>26}: {v}")
 
 
+@bench_app.command("learning")
+def bench_learning(
+    steps: Annotated[int, typer.Option(help="GRPO steps.")] = 30,
+    tasks: Annotated[int, typer.Option(help="Fixed tool_call tasks.")] = 6,
+    lr: Annotated[float, typer.Option(help="Learning rate.")] = 2e-4,
+    as_json: JsonOpt = False,
+) -> None:
+    """Mean reward on fixed tasks: base policy vs after K GRPO steps (local engine)."""
+    from flywheel.bench.learning import run_learning
+
+    result = run_learning(steps, tasks=tasks, lr=lr)
+    if as_json:
+        print(json.dumps(result, sort_keys=True))
+    else:
+        console.print_json(json.dumps(result))
+
+
 @app.command()
 def demo(keep: Annotated[bool, typer.Option(help="Leave the stack running afterwards.")] = False
          ) -> None:

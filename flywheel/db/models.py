@@ -96,6 +96,8 @@ class OutboxRow(Base):
         DateTime(timezone=True), server_default=func.now()
     )
     published_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    error: Mapped[str | None] = mapped_column(Text)
+    """Why the broker refused the row for good (e.g. too large): parked, shown in status."""
 
     __table_args__ = (
         Index("ix_outbox_pending", "id", postgresql_where=text("published_at IS NULL")),

@@ -15,6 +15,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 from flywheel.mining.classify import Classification, parse_arguments
 from flywheel.schemas import (
     FunctionCallItem,
@@ -80,7 +82,10 @@ def expected_calls(t: Trajectory, retry: Trajectory | None = None
         except json.JSONDecodeError:
             fb = None
         if isinstance(fb, dict) and isinstance(fb.get("expected_call"), dict):
-            return [ExpectedCall.model_validate(fb["expected_call"])], "feedback"
+            try:
+                return [ExpectedCall.model_validate(fb["expected_call"])], "feedback"
+            except ValidationError:
+                pass  # malformed feedback is no evidence of the expected action
     if retry is not None and retry.outcome.status == "success":
         retried = calls_of(retry)
         if retried:
@@ -143,7 +148,9 @@ def build_task(t: Trajectory, c: Classification, *, retry: Trajectory | None = N
         if not isinstance(env_meta.get("tests"), str) or not env_meta["tests"].strip():
             return Unverifiable("code task without tests")
         messages = to_messages(t.items[:start])
-        verifier = CodeSpec(tests=env_meta["tests"], entrypoint=env_meta.get("entrypoint"))
+        entry = env_meta.get("entrypoint")
+        verifier = CodeSpec(tests=env_meta["tests"],
+                            entrypoint=entry if isinstance(entry, str) else None)
     else:
         found = expected_calls(t, retry)
         if found is None:

@@ -70,6 +70,8 @@ def schema_errors(tool: Tool, args: dict[str, Any]) -> list[str]:
                       f"{e.message}" for e in validator.iter_errors(args))
     except SchemaError as err:
         return [f"tool schema is invalid: {err.message}"]
+    except Exception as err:  # e.g. a bad regex in `pattern`: the schema, not the call
+        return [f"tool schema cannot be checked: {err}"]
 
 
 def _looks_like_tool_call(text: str) -> bool:

@@ -7,15 +7,19 @@ request in its session.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from flywheel.mining import store
 from flywheel.mining.build import Unverifiable, build_task, expected_calls, request_key
 from flywheel.mining.classify import Labeller, classify_failure
 from flywheel.schemas import Trajectory
+
+log = logging.getLogger("flywheel.miner")
 
 
 @dataclass
@@ -26,6 +30,7 @@ class MineStats:
     unverifiable: int = 0
     upgraded: int = 0
     redelivered: int = 0
+    errors: int = 0
     modes: Counter[str] = field(default_factory=Counter)
 
 
@@ -55,8 +60,17 @@ async def _task_for(conn: AsyncConnection, t: Trajectory, retry: Trajectory | No
     return True
 
 
+async def _lock_request(conn: AsyncConnection, session_id: str, key: str) -> None:
+    """Serialize a session's request across miners: a failure and its retry may be mined at
+    the same moment by two members (they live on different partitions)."""
+    await conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:k))"),
+                       {"k": f"{session_id}:{key}"})
+
+
 async def mine_batch(conn: AsyncConnection, batch: list[Trajectory], *, holdout_fraction: float,
                      tasks_topic: str, labeller: Labeller | None = None) -> MineStats:
+    """Each trajectory in its own savepoint: one that cannot be mined is logged and skipped,
+    never allowed to wedge the partition."""
     stats = MineStats()
     for t in batch:
         if t.is_failure or t.session_id is None:
@@ -64,17 +78,32 @@ async def mine_batch(conn: AsyncConnection, batch: list[Trajectory], *, holdout_
         key = request_key(t)
         if key is None:
             continue
-        await store.record_success(conn, t, key)
-        for failed, _mode in await store.unverified_failures(conn, t.session_id, key):
-            if await _task_for(conn, failed, t, stats, holdout_fraction=holdout_fraction,
-                               tasks_topic=tasks_topic, labeller=labeller, claim=False):
-                stats.upgraded += 1
+        try:
+            async with conn.begin_nested():
+                await _lock_request(conn, t.session_id, key)
+                await store.record_success(conn, t, key)
+                for failed, _mode in await store.unverified_failures(conn, t.session_id, key):
+                    if await _task_for(conn, failed, t, stats,
+                                       holdout_fraction=holdout_fraction,
+                                       tasks_topic=tasks_topic, labeller=labeller,
+                                       claim=False):
+                        stats.upgraded += 1
+        except Exception as err:
+            stats.errors += 1
+            log.error("could not record success %s: %s", t.trajectory_id, err)
     for t in batch:
         if not t.is_failure:
             continue
         key = request_key(t)
-        retry = (await store.find_success(conn, t.session_id, key)
-                 if t.session_id is not None and key is not None else None)
-        await _task_for(conn, t, retry, stats, holdout_fraction=holdout_fraction,
-                        tasks_topic=tasks_topic, labeller=labeller, claim=True)
+        try:
+            async with conn.begin_nested():
+                retry = None
+                if t.session_id is not None and key is not None:
+                    await _lock_request(conn, t.session_id, key)
+                    retry = await store.find_success(conn, t.session_id, key)
+                await _task_for(conn, t, retry, stats, holdout_fraction=holdout_fraction,
+                                tasks_topic=tasks_topic, labeller=labeller, claim=True)
+        except Exception as err:
+            stats.errors += 1
+            log.error("could not mine failure %s: %s", t.trajectory_id, err)
     return stats

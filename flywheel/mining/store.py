@@ -6,6 +6,7 @@ redelivered trajectory is a no-op.
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -156,6 +157,6 @@ async def training_tasks(conn: AsyncConnection, *, env: str | None = None, limit
 
 
 def _json(value: Any) -> str:
-    import json
-
-    return json.dumps(value, default=str)
+    """JSON for a jsonb column: NaN/Infinity (jsonb refuses them) are stored as strings."""
+    text_ = json.dumps(value, default=str)
+    return json.dumps(json.loads(text_, parse_constant=lambda c: c))

@@ -7,6 +7,7 @@ import logging
 import uuid
 import zlib
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -68,8 +69,7 @@ async def handle_request(req: RolloutRequestedPayload, *, engine: AsyncEngine, p
             log.error("refusing rollout request %s: %s", group_id, err)
             tasks = []
         if not tasks:
-            await conn.execute(text("""UPDATE rollout_requests SET status = 'failed',
-                                       done_at = now() WHERE request_id = :g"""), {"g": group_id})
+            await _mark_failed(conn, group_id)
             return None
     task = tasks[0]
     waited = await wait_for_admission(engine, settings)
@@ -90,6 +90,18 @@ async def handle_request(req: RolloutRequestedPayload, *, engine: AsyncEngine, p
             retire_after=settings.rollout.retire_after,
             rollouts_topic=settings.topics.rollouts)
     return outcome
+
+
+async def _mark_failed(conn: Any, request_id: uuid.UUID) -> None:
+    await conn.execute(text("""UPDATE rollout_requests SET status = 'failed', done_at = now()
+                               WHERE request_id = :g AND status = 'requested'"""),
+                       {"g": request_id})
+
+
+async def fail_request(engine: AsyncEngine, request_id: uuid.UUID, reason: str) -> None:
+    async with engine.begin() as conn:
+        await _mark_failed(conn, request_id)
+    log.error("request %s failed for good: %s", request_id, reason)
 
 
 def worker_name() -> str:

@@ -35,6 +35,7 @@ SERVICES: dict[str, str] = {
     "miner": "consumers.miner",
     "scheduler": "consumers.scheduler",
     "rollout": "consumers.rollout",
+    "trainer": "consumers.trainer",
     "relay": "producers.relay",
     "api": "flywheel.cli.serve_api",
 }

@@ -71,6 +71,7 @@ class TrainerService:
         self.stale: list[_Pending] = []       # dropped as stale since the last publication
         self.consumed: dict[TopicPartition, int] = {}  # next offset per partition, all seen
         self.steps_since_publish = 0
+        self.stale_since_publish = 0
         self.status = TrainerState()
 
     async def start(self) -> None:
@@ -134,8 +135,8 @@ class TrainerService:
             await self._step(chunk)
             if self.steps_since_publish >= self.settings.trainer.publish_every:
                 await self.publish(consumer)
-        if not self.trained and self.stale and not self.batch:
-            await self._record_stale_only(consumer)
+        if self.stale:
+            await self._record_stale(consumer)
 
     async def _already_consumed(self, ids: list[uuid.UUID]) -> set[uuid.UUID]:
         if not ids:
@@ -161,9 +162,10 @@ class TrainerService:
                  metrics.get("clip_frac", 0.0), metrics.get("tokens_per_s", 0.0))
 
     def _committable(self) -> dict[TopicPartition, int]:
-        """Per partition: everything before the first group still waiting in the batch."""
+        """Per partition: everything before the first group not yet durable — waiting in the
+        batch, or trained into weights that are not published yet."""
         safe = dict(self.consumed)
-        for p in self.batch:
+        for p in [*self.batch, *self.trained]:
             safe[p.tp] = min(safe.get(p.tp, p.offset), p.offset)
         return safe
 
@@ -173,16 +175,14 @@ class TrainerService:
         except KafkaError as err:
             log.warning("offset commit skipped (%s); redelivered groups are skipped", err)
 
-    async def _mark_stale(self, conn: Any) -> None:
-        if self.stale:
+    async def _record_stale(self, consumer: Any) -> None:
+        """Dropped groups are recorded (and counted) at once; their offsets can then move."""
+        async with self.engine.begin() as conn:
             await conn.execute(text("""UPDATE rollout_groups SET trained_at = now(),
                 consumed_as = 'stale' WHERE group_id = ANY(CAST(:ids AS uuid[]))"""),
                 {"ids": [p.group.group_id for p in self.stale]})
-
-    async def _record_stale_only(self, consumer: Any) -> None:
-        async with self.engine.begin() as conn:
-            await self._mark_stale(conn)
         self.status.stale_dropped += len(self.stale)
+        self.stale_since_publish += len(self.stale)
         log.warning("dropped %d stale groups (older than %d versions)", len(self.stale),
                     self.settings.rollout.max_staleness)
         self.stale = []
@@ -206,7 +206,7 @@ class TrainerService:
         payload = AdapterTrainedPayload(
             policy=self.policy, version=version, parent_version=self.version,
             path=str(ref.path), stage="grpo", steps=self.trainer.steps, groups=len(ids),
-            stale_dropped=len(self.stale), metrics=self.status.metrics)
+            stale_dropped=self.stale_since_publish, metrics=self.status.metrics)
         event = AdapterTrained(aggregate_id=f"{self.policy}@v{version}", payload=payload)
         async with self.engine.begin() as conn:
             await conn.execute(text("""INSERT INTO adapter_versions
@@ -218,10 +218,9 @@ class TrainerService:
                 consumed_as = 'trained', trained_version = :v
                 WHERE group_id = ANY(CAST(:ids AS uuid[]))"""),
                 {"v": version, "ids": [p.group.group_id for p in self.trained]})
-            await self._mark_stale(conn)
             await append_events(conn, [(event, self.settings.topics.adapters)])
-        self.status.stale_dropped += len(self.stale)
-        self.version, self.trained, self.stale, self.steps_since_publish = version, [], [], 0
+        self.version, self.trained, self.steps_since_publish = version, [], 0
+        self.stale_since_publish = 0
         await self._commit(consumer)
         log.info("published %s@v%d (%d groups)", self.policy, version, len(ids))
         return version
