@@ -132,6 +132,9 @@ class TrainerSettings(BaseModel):
     """A step running this long → state `stalled`."""
     adapters_dir: Path | None = None
     """Adapter artifact store; unset = `<home>/adapters`."""
+    keep_versions: int = Field(default=10, ge=1)
+    """Newest adapter versions kept on disk; versions that outstanding rollout requests
+    still name are never deleted (production and baseline pins arrive with the gate)."""
 
 
 class RelaySettings(BaseModel):

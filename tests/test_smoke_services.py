@@ -1,7 +1,9 @@
 import asyncpg
+import pytest
 
 from flywheel.config import Settings
 from flywheel.kafka import ensure_topics
+from flywheel.runtime.postgres import LocalPostgres
 
 
 async def test_services_start_and_database_is_migrated(settings: Settings, pg_dsn: str) -> None:
@@ -13,3 +15,11 @@ async def test_services_start_and_database_is_migrated(settings: Settings, pg_ds
     finally:
         await conn.close()
     assert {"trajectories", "events", "outbox", "dead_letters", "alembic_version"} <= tables
+
+
+async def test_local_postgres_requires_its_password(postgres: LocalPostgres) -> None:
+    assert postgres.password and postgres.password_file.stat().st_mode & 0o077 == 0
+    with pytest.raises(asyncpg.InvalidPasswordError):
+        await asyncpg.connect(f"postgresql://postgres@127.0.0.1:{postgres.port}/postgres")
+    conn = await asyncpg.connect(postgres.url.replace("+asyncpg", ""))
+    await conn.close()

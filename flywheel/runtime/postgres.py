@@ -5,6 +5,10 @@ system user `flywheel-pg` (created if missing) with its data in a directory that
 No permission of any existing directory is changed: if that user cannot reach the requested
 data directory or the binaries (e.g. a checkout under a private home), data and a copy of the
 binaries go under /var/lib/flywheel instead.
+
+The server listens on 127.0.0.1 only and requires a password (scram-sha-256), generated at
+initdb and kept beside the data directory with mode 0600: other local users cannot read the
+data.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import hashlib
 import importlib.util
 import os
 import pwd
+import secrets
 import shutil
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,10 +64,19 @@ class LocalPostgres:
         if os.geteuid() == 0:
             self.user = _ensure_user()
             self._place_for_user(self.user)
+        pw = self.password_file
+        self.password: str | None = pw.read_text().strip() if pw.exists() else None
+
+    @property
+    def password_file(self) -> Path:
+        """The superuser password (mode 0600, the invoking user's): local users who can reach
+        127.0.0.1 cannot read the data without it."""
+        return self.data_dir.parent / f"{self.data_dir.name}.password"
 
     @property
     def url(self) -> str:
-        return f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/{DB_NAME}"
+        auth = f"postgres:{self.password}" if self.password else "postgres"
+        return f"postgresql+asyncpg://{auth}@127.0.0.1:{self.port}/{DB_NAME}"
 
     @property
     def log_file(self) -> Path:
@@ -96,9 +111,33 @@ class LocalPostgres:
         kwargs: dict[str, object] = {}
         if self.user is not None:
             kwargs = {"user": self.user.pw_uid, "group": self.user.pw_gid, "extra_groups": []}
+        env = {**os.environ, **({"PGPASSWORD": self.password} if self.password else {})}
         result: subprocess.CompletedProcess[str] = subprocess.run(  # type: ignore[call-overload]
-            cmd, capture_output=True, text=True, timeout=timeout, check=False, cwd="/", **kwargs)
+            cmd, capture_output=True, text=True, timeout=timeout, check=False, cwd="/",
+            env=env, **kwargs)
         return result
+
+    def _initdb(self) -> None:
+        password = secrets.token_urlsafe(24)
+        # initdb reads the password from a file its (unprivileged) user can read; the data
+        # directory must stay empty, so the file lives beside it and is removed at once.
+        fd, tmp = tempfile.mkstemp(dir=self.data_dir.parent, prefix=".pw-")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(password + "\n")
+            if self.user is not None:
+                os.chown(tmp, self.user.pw_uid, self.user.pw_gid)
+            res = self._run("initdb", "-D", str(self.data_dir), "-U", "postgres",
+                            "--auth=scram-sha-256", f"--pwfile={tmp}", "--encoding=UTF8",
+                            "--no-instructions")
+        finally:
+            os.unlink(tmp)
+        if res.returncode != 0:
+            raise RuntimeError(f"initdb failed:\n{res.stdout}\n{res.stderr}")
+        fd = os.open(self.password_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(password)
+        self.password = password
 
     def initialized(self) -> bool:
         return (self.data_dir / "PG_VERSION").exists()
@@ -108,10 +147,7 @@ class LocalPostgres:
 
     def start(self) -> None:
         if not self.initialized():
-            res = self._run("initdb", "-D", str(self.data_dir), "-U", "postgres",
-                            "--auth=trust", "--encoding=UTF8", "--no-instructions")
-            if res.returncode != 0:
-                raise RuntimeError(f"initdb failed:\n{res.stdout}\n{res.stderr}")
+            self._initdb()
         if self.running():
             return
         opts = (f"-c listen_addresses=127.0.0.1 -c port={self.port} "

@@ -222,8 +222,20 @@ class TrainerService:
         self.version, self.trained, self.steps_since_publish = version, [], 0
         self.stale_since_publish = 0
         await self._commit(consumer)
+        await self._retain()
         log.info("published %s@v%d (%d groups)", self.policy, version, len(ids))
         return version
+
+    async def _retain(self) -> None:
+        """Delete old versions beyond `keep_versions`, never one a rollout still needs."""
+        async with self.engine.connect() as conn:
+            in_use = set((await conn.execute(text("""SELECT DISTINCT adapter_version
+                FROM rollout_requests WHERE status = 'requested'
+                  AND adapter_version IS NOT NULL"""))).scalars())
+        deleted = await asyncio.to_thread(self.store.retain, self.policy,
+                                          self.settings.trainer.keep_versions, in_use)
+        if deleted:
+            log.info("retention removed %s@v%s", self.policy, deleted)
 
     def watch(self) -> tuple[str, str | None]:
         """The state to report: a long step is `stalled`, a long silence is `starved`."""
