@@ -340,6 +340,33 @@ def bench_learning(
         console.print_json(json.dumps(result))
 
 
+@bench_app.command("trainer")
+def bench_trainer(
+    steps: Annotated[int, typer.Option(help="GRPO steps on each side.")] = 3,
+    batch: Annotated[int, typer.Option(help="B: trainable groups per step.")] = 2,
+    group_size: Annotated[int, typer.Option(help="G: completions per group.")] = 8,
+    max_tokens: Annotated[int, typer.Option(help="Token limit per completion.")] = 32,
+    staleness: Annotated[int, typer.Option(help="Versions sampling may run ahead of "
+                                           "training.")] = 1,
+    sequential: Annotated[bool, typer.Option(help="Also time the same pipeline without "
+                                             "overlap (all cores per phase).")] = True,
+    trl: Annotated[bool, typer.Option(help="Also run TRL's GRPOTrainer (the baseline).")] = True,
+    as_json: JsonOpt = False,
+) -> None:
+    """K GRPO steps: Flywheel's overlapped sampling + training vs TRL's GRPOTrainer (CPU)."""
+    from flywheel.bench.trainer import run_trainer_bench
+
+    if min(steps, batch, staleness) < 1 or group_size < 2:
+        _fail("--steps, --batch and --staleness must be ≥ 1, --group-size ≥ 2")
+    result = run_trainer_bench(steps, batch=batch, group_size=group_size,
+                               max_tokens=max_tokens, staleness=staleness,
+                               sequential=sequential, trl=trl)
+    if as_json:
+        print(json.dumps(result, sort_keys=True))
+    else:
+        console.print_json(json.dumps(result))
+
+
 @app.command()
 def demo(keep: Annotated[bool, typer.Option(help="Leave the stack running afterwards.")] = False
          ) -> None:

@@ -1,0 +1,30 @@
+"""`flywheel bench trainer`: the TRL baseline says why it is missing; the pipeline side runs."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from flywheel.bench import trainer as bench
+from flywheel.bench.learning import fixed_tasks
+from flywheel.rollout.loop import GroupConfig
+
+
+def test_missing_trl_is_reported_not_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "trl", None)  # `import trl` now raises ImportError
+    out = bench._trl(1, fixed_tasks(1), 1, GroupConfig(group_size=2, max_tokens=4), 1e-4)
+    assert "seconds" not in out
+    assert out["error"].startswith(bench.TRL_MISSING)
+
+
+@pytest.mark.slow
+def test_pipeline_side_trains_one_version_per_step() -> None:
+    out = bench.run_trainer_bench(2, batch=1, group_size=4, max_tokens=8, tasks=2,
+                                  sequential=False, trl=False)
+    fw = out["flywheel"]
+    assert out["flywheel_s"] > 0 and out["speedup_vs_trl"] is None
+    assert out["flywheel_sequential_s"] is None
+    assert len(fw["train_step_s"]) == 2
+    assert fw["staleness"][0] == 0 and max(fw["staleness"]) <= 1
+    assert out["trl"]["error"].startswith("skipped")
