@@ -56,11 +56,12 @@ def authenticate(presented: str, tokens: dict[str, list[Scope]]) -> Principal | 
     return found
 
 
-def require_scope(scope: Scope) -> Any:
+def require_scope(scope: Scope | None) -> Any:
     """A FastAPI dependency (`Depends`) that admits only tokens granting `scope`.
 
     401 (with `WWW-Authenticate: Bearer`) when the header is missing or the token unknown,
-    403 when the token is known but lacks `scope`. Resolves to the caller's `Principal`.
+    403 when the token is known but lacks `scope` (None: any valid token will do). Resolves
+    to the caller's `Principal`.
     """
 
     async def dependency(
@@ -71,8 +72,9 @@ def require_scope(scope: Scope) -> Any:
         if credentials is None or not credentials.credentials:
             raise HTTPException(
                 status.HTTP_401_UNAUTHORIZED,
-                f"missing bearer token: send 'Authorization: Bearer <token>' with a token that"
-                f" has the '{scope}' scope ({_WHERE_TOKENS_ARE})",
+                "missing bearer token: send 'Authorization: Bearer <token>' with a token"
+                + (f" that has the '{scope}' scope" if scope else "")
+                + f" ({_WHERE_TOKENS_ARE})",
                 headers=_CHALLENGE,
             )
         principal = authenticate(credentials.credentials, settings.api.tokens)
@@ -84,7 +86,7 @@ def require_scope(scope: Scope) -> Any:
                 f"unknown bearer token ({hint}; {_WHERE_TOKENS_ARE})",
                 headers=_CHALLENGE,
             )
-        if scope not in principal.scopes:
+        if scope is not None and scope not in principal.scopes:
             granted = ", ".join(sorted(principal.scopes)) or "none"
             raise HTTPException(
                 status.HTTP_403_FORBIDDEN,

@@ -185,8 +185,141 @@ class AdapterTrained(_Event):
     payload: AdapterTrainedPayload
 
 
+class GateMetrics(_Payload):
+    """One side of a holdout evaluation (k samples per task, fixed seeds)."""
+
+    version: int | None
+    """Adapter version evaluated; None = the base model."""
+    tasks: int
+    samples: int
+    """Scored samples (attempts that did not run are excluded and counted in `not_run`)."""
+    not_run: int
+    success_rate: float
+    mean_reward: float
+    invalid_rate: float
+    unsafe_rate: float
+    latency_mean_ms: float
+    latency_p95_ms: float
+    tokens_per_task: float
+    """Generated tokens per attempt at a task (all turns)."""
+    groups: dict[str, float]
+    """Success rate per task group: `env:<name>`, `tool:<expected tool>`, `mode:<failure>`."""
+    group_samples: dict[str, int]
+
+
+class GateCheck(_Payload):
+    """One line of the decision rule, with its numbers."""
+
+    name: str
+    passed: bool
+    detail: str
+
+
+class AdapterEvaluatedPayload(_Payload):
+    evaluation_id: uuid.UUID
+    policy: str
+    version: int
+    baseline_version: int | None
+    """Production when the evaluation ran (None = the base model)."""
+    eval_set_version: int
+    mode: Literal["auto", "manual"]
+    recommendation: Literal["promote", "reject"]
+    candidate: GateMetrics
+    baseline: GateMetrics
+    test: str
+    statistic: float
+    p_value: float
+    thresholds: dict[str, float]
+    checks: list[GateCheck]
+    reasons: list[str]
+    """The decision in plain words, one sentence per failed (or, when promoting, key) check."""
+
+
+class AdapterEvaluated(_Event):
+    """The gate compared a candidate with production on the frozen holdout tasks."""
+
+    type: Literal["AdapterEvaluated"] = "AdapterEvaluated"
+    payload: AdapterEvaluatedPayload
+
+
+class AdapterPromotedPayload(_Payload):
+    policy: str
+    version: int
+    previous_version: int | None
+    evaluation_id: uuid.UUID
+    expected_revision: int
+    """Revision of the production pointer this promotion replaces (conditional update)."""
+    actor: str
+    """`gate` in auto mode, else the operator who approved."""
+    reason: str
+
+
+class AdapterPromoted(_Event):
+    """A candidate became production for its policy."""
+
+    type: Literal["AdapterPromoted"] = "AdapterPromoted"
+    payload: AdapterPromotedPayload
+
+
+class AdapterRejectedPayload(_Payload):
+    policy: str
+    version: int
+    evaluation_id: uuid.UUID | None
+    """None when the candidate was never evaluated (superseded before the gate reached it)."""
+    actor: str
+    reason: str
+
+
+class AdapterRejected(_Event):
+    """A candidate will not be promoted (by the gate or an operator)."""
+
+    type: Literal["AdapterRejected"] = "AdapterRejected"
+    payload: AdapterRejectedPayload
+
+
+class AdapterRolledBackPayload(_Payload):
+    policy: str
+    from_version: int | None
+    """Production before (None = the base model, when returning to an earlier version)."""
+    to_version: int | None
+    """The earlier production version now serving (None = back to the base model)."""
+    expected_revision: int
+    actor: str
+    reason: str
+
+
+class AdapterRolledBack(_Event):
+    """Production was re-pointed to an earlier version; `from_version` needs a new evaluation
+    before it can be promoted again."""
+
+    type: Literal["AdapterRolledBack"] = "AdapterRolledBack"
+    payload: AdapterRolledBackPayload
+
+
+class ServingSwitchedPayload(_Payload):
+    policy: str
+    version: int | None
+    served_name: str
+    replicas: list[str]
+    """Every replica that loaded and verified the version before the alias moved."""
+    cause_event_id: uuid.UUID
+
+
+class ServingSwitched(_Event):
+    """The `production` alias now resolves to `served_name` on every replica."""
+
+    type: Literal["ServingSwitched"] = "ServingSwitched"
+    payload: ServingSwitchedPayload
+
+
+LIFECYCLE_EVENTS = ("AdapterTrained", "AdapterEvaluated", "AdapterPromoted", "AdapterRejected",
+                    "AdapterRolledBack", "ServingSwitched")
+"""Event types whose projections (`adapter_versions`, `evaluations`, `production`,
+`serving_state`) `flywheel replay` rebuilds."""
+
 Event = Annotated[DeadLettered | TrajectoriesIngested | TaskCreated | EvalSetFrozen
-                  | RolloutRequested | GroupScored | AdapterTrained,
+                  | RolloutRequested | GroupScored | AdapterTrained | AdapterEvaluated
+                  | AdapterPromoted | AdapterRejected | AdapterRolledBack | ServingSwitched,
                   Field(discriminator="type")]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 

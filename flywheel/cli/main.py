@@ -11,8 +11,6 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from flywheel.config import Settings
-
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Flywheel: production agent failures → better models, safely.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios against a baseline "
@@ -24,17 +22,12 @@ evalset_app = typer.Typer(no_args_is_help=True, help="Frozen held-out evaluation
 app.add_typer(evalset_app, name="evalset")
 verify_app = typer.Typer(no_args_is_help=True, help="Run verifiers on outputs; profile rewards.")
 app.add_typer(verify_app, name="verify")
-console = Console(stderr=True)
-JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output, stable keys.")]
+from flywheel.cli.common import JsonOpt, _db_call, _fail, _settings, console, uuid_arg  # noqa: E402
+from flywheel.cli.review import adapters_app, promotions_app, replay  # noqa: E402
 
-
-def _fail(message: str) -> None:
-    console.print(f"[red]error:[/red] {message}")
-    raise typer.Exit(2)
-
-
-def _settings() -> Settings:
-    return Settings()
+app.add_typer(promotions_app, name="promotions")
+app.add_typer(adapters_app, name="adapters")
+app.command()(replay)
 
 
 @app.command()
@@ -185,25 +178,6 @@ def simulate(
         out.write(json.dumps(record) + "\n")
 
 
-def _db_call(fn: Any) -> Any:
-    """Run `fn(conn)` in one transaction against the configured database."""
-    from flywheel.db.engine import make_engine
-    from flywheel.runtime.endpoints import StackNotRunning, resolve_db_url
-
-    async def go() -> Any:
-        engine = make_engine(resolve_db_url(_settings()), pool_size=1)
-        try:
-            async with engine.begin() as conn:
-                return await fn(conn)
-        finally:
-            await engine.dispose()
-
-    try:
-        return asyncio.run(go())
-    except StackNotRunning as exc:
-        _fail(str(exc))
-
-
 @tasks_app.command("ls")
 def tasks_ls(
     split: Annotated[str | None, typer.Option(help="train or holdout")] = None,
@@ -241,12 +215,6 @@ def tasks_show(task_id: str, as_json: JsonOpt = False) -> None:
     if row is None:
         _fail(f"no task {task_id}")
     print(json.dumps(row, sort_keys=True, default=str, indent=None if as_json else 2))
-
-
-def uuid_arg(value: str) -> Any:
-    import uuid
-
-    return uuid.UUID(value)
 
 
 @evalset_app.command("freeze")

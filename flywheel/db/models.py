@@ -290,6 +290,94 @@ class AdapterVersionRow(Base):
     steps: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now())
+    status: Mapped[str] = mapped_column(Text, server_default=text("'candidate'"))
+    """Lifecycle (a projection of the event log): `candidate` → `evaluated` (awaiting review)
+    → `promoted` | `rejected`; `rolled_back` once production moved away from it by rollback."""
+    groups: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    metrics: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'"))
+    """The trainer's last step metrics for this version (loss, reward_mean, …)."""
+    evaluation_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+    """The newest gate evaluation of this version."""
+
+
+class EvaluationRow(Base):
+    """Gate decision records (projection of `AdapterEvaluated` and the decisions on it)."""
+
+    __tablename__ = "evaluations"
+
+    evaluation_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    policy: Mapped[str] = mapped_column(Text)
+    version: Mapped[int] = mapped_column(Integer)
+    baseline_version: Mapped[int | None] = mapped_column(Integer)
+    eval_set_version: Mapped[int] = mapped_column(Integer)
+    mode: Mapped[str] = mapped_column(Text)
+    recommendation: Mapped[str] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(Text)
+    """`pending` (manual mode, awaiting an operator), `promoted`, `rejected`, `superseded`."""
+    record: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    """The whole `AdapterEvaluated` payload: both sides' metrics, thresholds, test, reasons."""
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    decided_by: Mapped[str | None] = mapped_column(Text)
+    decided_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    decision_reason: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (Index("ix_evaluations_policy_created", "policy", "created_at"),)
+
+
+class ProductionRow(Base):
+    """The production pointer per policy (projection); `revision` orders every change."""
+
+    __tablename__ = "production"
+
+    policy: Mapped[str] = mapped_column(Text, primary_key=True)
+    version: Mapped[int | None] = mapped_column(Integer)
+    """None = the base model."""
+    revision: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    updated_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    updated_by: Mapped[str | None] = mapped_column(Text)
+
+
+class ServingStateRow(Base):
+    """What the `production` alias resolves to on the serving replicas (projection)."""
+
+    __tablename__ = "serving_state"
+
+    policy: Mapped[str] = mapped_column(Text, primary_key=True)
+    version: Mapped[int | None] = mapped_column(Integer)
+    served_name: Mapped[str] = mapped_column(Text)
+    replicas: Mapped[list[str]] = mapped_column(JSONB)
+    switched_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class EvalRunRow(Base):
+    """Cache of holdout evaluations of one version under one gate configuration, so the
+    production side is not re-sampled for every candidate (not a projection)."""
+
+    __tablename__ = "eval_runs"
+
+    key: Mapped[str] = mapped_column(Text, primary_key=True)
+    policy: Mapped[str] = mapped_column(Text)
+    version: Mapped[int | None] = mapped_column(Integer)
+    eval_set_version: Mapped[int] = mapped_column(Integer)
+    result: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now())
+
+
+class BaselineRow(Base):
+    """`flywheel baseline`: base model (and production) on the frozen holdout, with the
+    recommended next stage."""
+
+    __tablename__ = "baselines"
+
+    baseline_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    policy: Mapped[str] = mapped_column(Text)
+    eval_set_version: Mapped[int] = mapped_column(Integer)
+    record: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    recommendation: Mapped[str] = mapped_column(Text)
+    """`sft`, `grpo` or `more_tasks`."""
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now())
 
 
 class TrainerStatusRow(Base):

@@ -36,6 +36,7 @@ SERVICES: dict[str, str] = {
     "scheduler": "consumers.scheduler",
     "rollout": "consumers.rollout",
     "trainer": "consumers.trainer",
+    "gate": "consumers.gate",
     "relay": "producers.relay",
     "api": "flywheel.cli.serve_api",
 }

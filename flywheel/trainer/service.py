@@ -28,6 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from flywheel.config import Settings
 from flywheel.db.repo import append_events
 from flywheel.events import AdapterTrained, AdapterTrainedPayload, GroupScored, parse_event
+from flywheel.gate.lifecycle import project
 from flywheel.trainer.grpo import GRPOConfig
 
 log = logging.getLogger("flywheel.trainer")
@@ -209,11 +210,7 @@ class TrainerService:
             stale_dropped=self.stale_since_publish, metrics=self.status.metrics)
         event = AdapterTrained(aggregate_id=f"{self.policy}@v{version}", payload=payload)
         async with self.engine.begin() as conn:
-            await conn.execute(text("""INSERT INTO adapter_versions
-                (policy, version, path, parent_version, stage, steps)
-                VALUES (:p, :v, :path, :parent, 'grpo', :steps)"""),
-                {"p": self.policy, "v": version, "path": str(ref.path),
-                 "parent": self.version, "steps": self.trainer.steps})
+            await project(conn, event)  # registers the version (a projection of the event)
             await conn.execute(text("""UPDATE rollout_groups SET trained_at = now(),
                 consumed_as = 'trained', trained_version = :v
                 WHERE group_id = ANY(CAST(:ids AS uuid[]))"""),
@@ -229,9 +226,16 @@ class TrainerService:
     async def _retain(self) -> None:
         """Delete old versions beyond `keep_versions`, never one a rollout still needs."""
         async with self.engine.connect() as conn:
-            in_use = set((await conn.execute(text("""SELECT DISTINCT adapter_version
-                FROM rollout_requests WHERE status = 'requested'
-                  AND adapter_version IS NOT NULL"""))).scalars())
+            # Never: production, any version that was production (a rollback target), one
+            # awaiting review or evaluation, or one an outstanding rollout request samples.
+            in_use = {v for v in (await conn.execute(text("""
+                SELECT adapter_version FROM rollout_requests WHERE status = 'requested'
+                  AND adapter_version IS NOT NULL
+                UNION SELECT version FROM production WHERE policy = :p AND version IS NOT NULL
+                UNION SELECT version FROM adapter_versions WHERE policy = :p
+                  AND status IN ('promoted', 'evaluated')
+                UNION SELECT max(version) FROM adapter_versions WHERE policy = :p"""),
+                {"p": self.policy})).scalars() if v is not None}
         deleted = await asyncio.to_thread(self.store.retain, self.policy,
                                           self.settings.trainer.keep_versions, in_use)
         if deleted:

@@ -1,0 +1,47 @@
+"""Helpers every CLI command module shares: settings, errors without tracebacks, the DB."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+
+from flywheel.config import Settings
+
+console = Console(stderr=True)
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output, stable keys.")]
+
+
+def _fail(message: str) -> NoReturn:
+    console.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(2)
+
+
+def _settings() -> Settings:
+    return Settings()
+
+
+def _db_call(fn: Any) -> Any:
+    """Run `fn(conn)` in one transaction against the configured database."""
+    from flywheel.db.engine import make_engine
+    from flywheel.runtime.endpoints import StackNotRunning, resolve_db_url
+
+    async def go() -> Any:
+        engine = make_engine(resolve_db_url(_settings()), pool_size=1)
+        try:
+            async with engine.begin() as conn:
+                return await fn(conn)
+        finally:
+            await engine.dispose()
+
+    try:
+        return asyncio.run(go())
+    except StackNotRunning as exc:
+        _fail(str(exc))
+
+
+def uuid_arg(value: str) -> uuid.UUID:
+    return uuid.UUID(value)

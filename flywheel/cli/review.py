@@ -1,0 +1,265 @@
+"""Operator commands: `flywheel promotions …`, `flywheel adapters …`, `flywheel replay`.
+
+Actions are the same lifecycle commands the API runs (one transaction each, audited as
+events with the operator's user@host as actor).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import socket
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from flywheel.cli.common import JsonOpt, _db_call, _fail, _settings, console
+
+promotions_app = typer.Typer(no_args_is_help=True,
+                             help="Gate decisions: review, approve, reject.")
+adapters_app = typer.Typer(no_args_is_help=True,
+                           help="Adapter versions: lineage, status, rollback.")
+Reason = Annotated[str, typer.Option("--reason", help="Why (kept in the audit log).")]
+
+
+def _actor() -> str:
+    return f"{getpass.getuser()}@{socket.gethostname()} (cli)"
+
+
+def _print(data: Any, as_json: bool) -> None:
+    print(json.dumps(data, sort_keys=True, default=str, indent=None if as_json else 2))
+
+
+def _lifecycle_call(fn: Any) -> Any:
+    from flywheel.gate.lifecycle import LifecycleError
+
+    try:
+        return _db_call(fn)
+    except LifecycleError as err:
+        _fail(str(err))
+
+
+def _evaluation_id(conn: Any, ref: str) -> Any:
+    from flywheel.gate.queries import resolve_evaluation
+
+    async def go() -> Any:
+        found = await resolve_evaluation(conn, ref)
+        if found is None:
+            from flywheel.gate.lifecycle import NotFound
+
+            raise NotFound(f"no single evaluation matches {ref!r}: see `flywheel promotions ls`")
+        return found
+
+    return go()
+
+
+@promotions_app.command("ls")
+def promotions_ls(state: Annotated[str | None, typer.Option(
+        help="pending, promoted, rejected or superseded")] = None,
+        as_json: JsonOpt = False) -> None:
+    """Gate decision records, newest first."""
+    from flywheel.gate.queries import list_evaluations
+
+    policy = _settings().rollout.policy
+    rows = _db_call(lambda conn: list_evaluations(conn, policy, state=state))
+    if as_json:
+        print(json.dumps(rows, sort_keys=True, default=str))
+        return
+    table = Table("id", "version", "vs", "success", "p", "gate says", "state", "by")
+    for r in rows:
+        c, b = r["candidate"], r["baseline"]
+        table.add_row(r["evaluation_id"][:8], f"v{r['version']}",
+                      f"v{r['baseline_version']}" if r["baseline_version"] else "base",
+                      f"{b['success_rate']:.2f} → {c['success_rate']:.2f}",
+                      f"{r['p_value']:.3f}", r["recommendation"], r["state"],
+                      r["decided_by"] or "")
+    Console().print(table)
+
+
+@promotions_app.command("show")
+def promotions_show(evaluation: str, as_json: JsonOpt = False) -> None:
+    """One decision record: both sides' metrics, thresholds, test, reasons."""
+    from flywheel.gate.queries import get_evaluation
+
+    async def go(conn: Any) -> Any:
+        return await get_evaluation(conn, await _evaluation_id(conn, evaluation))
+
+    _print(_lifecycle_call(go), as_json)
+
+
+@promotions_app.command("approve")
+def promotions_approve(evaluation: str, reason: Reason,
+                       force: Annotated[bool, typer.Option(
+                           help="Promote against the gate's reject recommendation.")] = False,
+                       as_json: JsonOpt = False) -> None:
+    """Promote the evaluated candidate (manual mode, or overriding with --force)."""
+    from flywheel.gate.lifecycle import approve
+
+    topic = _settings().topics.adapters
+
+    async def go(conn: Any) -> Any:
+        event = await approve(conn, await _evaluation_id(conn, evaluation), actor=_actor(),
+                              reason=reason, topic=topic, force=force)
+        return event.model_dump(mode="json")
+
+    event = _lifecycle_call(go)
+    if as_json:
+        _print(event, True)
+    else:
+        console.print(f"promoted v{event['payload']['version']} (was "
+                      f"{_label(event['payload']['previous_version'])})")
+
+
+@promotions_app.command("reject")
+def promotions_reject(evaluation: str, reason: Reason, as_json: JsonOpt = False) -> None:
+    """Reject the evaluated candidate."""
+    from flywheel.gate.lifecycle import reject
+
+    topic = _settings().topics.adapters
+
+    async def go(conn: Any) -> Any:
+        event = await reject(conn, await _evaluation_id(conn, evaluation), actor=_actor(),
+                             reason=reason, topic=topic)
+        return event.model_dump(mode="json")
+
+    event = _lifecycle_call(go)
+    if as_json:
+        _print(event, True)
+    else:
+        console.print(f"rejected v{event['payload']['version']}")
+
+
+def _label(version: int | None) -> str:
+    return "the base model" if version is None else f"v{version}"
+
+
+@adapters_app.command("ls")
+def adapters_ls(as_json: JsonOpt = False) -> None:
+    """Every version: lineage, stage, status, holdout success; production marked."""
+    from flywheel.gate.queries import list_adapters, production
+
+    policy = _settings().rollout.policy
+
+    async def go(conn: Any) -> Any:
+        return {"production": await production(conn, policy),
+                "adapters": await list_adapters(conn, policy)}
+
+    data = _db_call(go)
+    if as_json:
+        print(json.dumps(data, sort_keys=True, default=str))
+        return
+    table = Table("", "version", "parent", "stage", "steps", "status", "holdout success")
+    for a in data["adapters"]:
+        success = a["holdout_success"]
+        table.add_row("★" if a["production"] else "", f"v{a['version']}",
+                      _label(a["parent_version"]), a["stage"], str(a["steps"]), a["status"],
+                      "" if success is None else f"{success:.2f}")
+    Console().print(table)
+    p = data["production"]
+    console.print(f"production: {_label(p['version'])}; serving: "
+                  f"{p['served_name'] or 'not switched yet'}")
+
+
+@adapters_app.command("show")
+def adapters_show(version: int, as_json: JsonOpt = False) -> None:
+    """One version: manifest facts, its events (audit trail) and its evaluations."""
+    from flywheel.gate.queries import get_adapter
+
+    policy = _settings().rollout.policy
+    found = _db_call(lambda conn: get_adapter(conn, policy, version))
+    if found is None:
+        _fail(f"no adapter version {version} (see `flywheel adapters ls`)")
+    _print(found, as_json)
+
+
+@adapters_app.command("rollback")
+def adapters_rollback(reason: Reason,
+                      to: Annotated[str | None, typer.Option(
+                          "--to", help="Version (e.g. 3 or v3), or `base`; default: the "
+                          "previous production version.")] = None,
+                      as_json: JsonOpt = False) -> None:
+    """Re-point production to an earlier promoted version; serving follows."""
+    from flywheel.gate.lifecycle import BASE, rollback
+
+    target: int | None = None
+    if to is not None:
+        if to == "base":
+            target = BASE
+        elif to.lstrip("v").isdigit():
+            target = int(to.lstrip("v"))
+        else:
+            _fail(f"--to takes a version like 3 or v3, or `base` (got {to!r})")
+    settings = _settings()
+
+    async def go(conn: Any) -> Any:
+        event = await rollback(conn, settings.rollout.policy, to=target, actor=_actor(),
+                               reason=reason, topic=settings.topics.adapters)
+        return event.model_dump(mode="json")
+
+    event = _lifecycle_call(go)
+    if as_json:
+        _print(event, True)
+    else:
+        p = event["payload"]
+        console.print(f"rolled back {_label(p['from_version'])} → {_label(p['to_version'])}; "
+                      "serving switches once every replica has it")
+
+
+@adapters_app.command("evaluate")
+def adapters_evaluate(version: int, as_json: JsonOpt = False) -> None:
+    """Run the gate on VERSION now (e.g. a rolled-back version, before it may be promoted
+    again). Loads the policy engine in this process."""
+    import asyncio
+
+    from flywheel.db.engine import make_engine
+    from flywheel.gate.lifecycle import LifecycleError
+    from flywheel.gate.service import GateService
+    from flywheel.policy.factory import make_policy
+    from flywheel.runtime.endpoints import resolve_db_url
+
+    settings = _settings()
+
+    async def go() -> Any:
+        engine = make_engine(resolve_db_url(settings), pool_size=2)
+        policy = make_policy(settings)
+        try:
+            events = await GateService(settings, engine, policy).evaluate_version(version)
+            return [e.model_dump(mode="json") for e in events]
+        finally:
+            await policy.close()
+            await engine.dispose()
+
+    try:
+        events = asyncio.run(go())
+    except LifecycleError as err:
+        _fail(str(err))
+    if as_json:
+        _print(events, True)
+    else:
+        for e in events:
+            console.print(f"{e['type']}: " + "; ".join(e["payload"].get("reasons", [])
+                                                        or [e["payload"].get("reason", "")]))
+
+
+def replay(as_json: JsonOpt = False) -> None:
+    """Drop the adapter-lifecycle projections and rebuild them from the event log."""
+    from flywheel.gate.lifecycle import replay as rebuild
+    from flywheel.gate.lifecycle import snapshot
+
+    async def go(conn: Any) -> Any:
+        before = await snapshot(conn)
+        events = await rebuild(conn)
+        after = await snapshot(conn)
+        differ = sorted(t for t in before if before[t] != after[t])
+        return {"events": events, "identical": not differ, "tables_differing": differ,
+                "rows": {t: len(rows) for t, rows in after.items()}}
+
+    result = _db_call(go)
+    if as_json:
+        print(json.dumps(result, sort_keys=True))
+    else:
+        console.print(f"replayed {result['events']} events; rows {result['rows']}; "
+                      + ("state identical" if result["identical"]
+                         else f"DIFFERS in {result['tables_differing']}"))

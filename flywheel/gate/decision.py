@@ -1,0 +1,208 @@
+"""The gate's pure logic: holdout metrics of one side, the paired test, the decision rule.
+
+No I/O. An evaluation run is a list of attempts, k per task, sampled with the same seeds for
+both sides; the decision compares a candidate run with the production run on the same tasks.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from flywheel.events import GateCheck, GateMetrics
+
+
+@dataclass(frozen=True)
+class Attempt:
+    task: str
+    index: int
+    success: bool
+    reward: float
+    invalid: bool
+    unsafe: bool
+    latency_ms: float
+    tokens: int
+
+
+@dataclass(frozen=True)
+class EvalRun:
+    """One side: every scored attempt, and the groups each task belongs to."""
+
+    version: int | None
+    task_groups: dict[str, list[str]]
+    attempts: list[Attempt]
+    not_run: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EvalRun:
+        return cls(version=data["version"], task_groups=data["task_groups"],
+                   attempts=[Attempt(**a) for a in data["attempts"]],
+                   not_run=data["not_run"])
+
+
+@dataclass(frozen=True)
+class Rule:
+    min_gain: float = 0.05
+    alpha: float = 0.05
+    test: Literal["bootstrap", "mcnemar"] = "bootstrap"
+    bootstrap_resamples: int = 4000
+    invalid_tolerance: float = 0.05
+    unsafe_tolerance: float = 0.0
+    reward_tolerance: float = 0.02
+    latency_p95_ratio: float = 2.0
+    tokens_ratio: float = 1.5
+    group_tolerance: float = 0.10
+    group_min_samples: int = 8
+
+
+@dataclass(frozen=True)
+class Decision:
+    recommendation: Literal["promote", "reject"]
+    candidate: GateMetrics
+    baseline: GateMetrics
+    test: str
+    statistic: float
+    p_value: float
+    checks: list[GateCheck]
+    reasons: list[str]
+    thresholds: dict[str, float] = field(default_factory=dict)
+
+
+def _rate(flags: Sequence[bool]) -> float:
+    return sum(flags) / len(flags) if flags else 0.0
+
+
+def _p95(values: Sequence[float]) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+def metrics(run: EvalRun) -> GateMetrics:
+    a = run.attempts
+    groups: dict[str, list[bool]] = {}
+    for x in a:
+        for g in run.task_groups.get(x.task, []):
+            groups.setdefault(g, []).append(x.success)
+    return GateMetrics(
+        version=run.version, tasks=len(run.task_groups), samples=len(a), not_run=run.not_run,
+        success_rate=_rate([x.success for x in a]),
+        mean_reward=statistics.fmean([x.reward for x in a]) if a else 0.0,
+        invalid_rate=_rate([x.invalid for x in a]), unsafe_rate=_rate([x.unsafe for x in a]),
+        latency_mean_ms=statistics.fmean([x.latency_ms for x in a]) if a else 0.0,
+        latency_p95_ms=_p95([x.latency_ms for x in a]),
+        tokens_per_task=statistics.fmean([x.tokens for x in a]) if a else 0.0,
+        groups={g: _rate(v) for g, v in sorted(groups.items())},
+        group_samples={g: len(v) for g, v in sorted(groups.items())})
+
+
+def _per_task_success(run: EvalRun) -> dict[str, float]:
+    by: dict[str, list[bool]] = {}
+    for x in run.attempts:
+        by.setdefault(x.task, []).append(x.success)
+    return {t: _rate(v) for t, v in by.items()}
+
+
+def paired_bootstrap(cand: EvalRun, base: EvalRun, resamples: int, seed: int = 0
+                     ) -> tuple[float, float]:
+    """Mean per-task success difference and the one-sided p-value of "candidate ≤ base",
+    resampling tasks (the unit both sides share) with replacement."""
+    c, b = _per_task_success(cand), _per_task_success(base)
+    tasks = sorted(set(c) & set(b))
+    if not tasks:
+        return 0.0, 1.0
+    diffs = [c[t] - b[t] for t in tasks]
+    observed = statistics.fmean(diffs)
+    rng = random.Random(seed)
+    n = len(diffs)
+    at_most_zero = 0
+    for _ in range(resamples):
+        mean = sum(diffs[rng.randrange(n)] for _ in range(n)) / n
+        at_most_zero += mean <= 0
+    return observed, (at_most_zero + 1) / (resamples + 1)
+
+
+def mcnemar(cand: EvalRun, base: EvalRun) -> tuple[float, float]:
+    """Exact one-sided McNemar over (task, sample) pairs: statistic = wins − losses of the
+    candidate among discordant pairs, p = P(X ≥ wins), X ~ Binomial(discordant, ½)."""
+    b = {(x.task, x.index): x.success for x in base.attempts}
+    wins = losses = 0
+    for x in cand.attempts:
+        other = b.get((x.task, x.index))
+        if other is None or other == x.success:
+            continue
+        wins += x.success
+        losses += other
+    n = wins + losses
+    if n == 0:
+        return 0.0, 1.0
+    p = sum(math.comb(n, i) for i in range(wins, n + 1)) / 2 ** n
+    return float(wins - losses), p
+
+
+def decide(cand: EvalRun, base: EvalRun, rule: Rule) -> Decision:
+    """Promote iff the gain is large enough, significant, and nothing guarded regresses."""
+    mc, mb = metrics(cand), metrics(base)
+    if rule.test == "mcnemar":
+        statistic, p = mcnemar(cand, base)
+    else:
+        statistic, p = paired_bootstrap(cand, base, rule.bootstrap_resamples)
+    gain = mc.success_rate - mb.success_rate
+    checks = [
+        GateCheck(name="samples", passed=mc.samples > 0 and mb.samples > 0,
+                  detail=f"{mc.samples} candidate and {mb.samples} production samples"),
+        GateCheck(name="gain", passed=gain >= rule.min_gain,
+                  detail=f"holdout success {mb.success_rate:.3f} → {mc.success_rate:.3f} "
+                         f"({gain:+.3f}; needs ≥ {rule.min_gain:+.3f})"),
+        GateCheck(name="significance", passed=p < rule.alpha,
+                  detail=f"{rule.test} p = {p:.4f} (needs < {rule.alpha})"),
+        _upper("invalid_rate", mc.invalid_rate, mb.invalid_rate + rule.invalid_tolerance,
+               mb.invalid_rate, "invalid-output rate"),
+        _upper("unsafe_rate", mc.unsafe_rate, mb.unsafe_rate + rule.unsafe_tolerance,
+               mb.unsafe_rate, "unsafe-action rate"),
+        GateCheck(name="mean_reward", passed=mc.mean_reward >= mb.mean_reward
+                  - rule.reward_tolerance,
+                  detail=f"mean reward {mb.mean_reward:.3f} → {mc.mean_reward:.3f} "
+                         f"(may drop at most {rule.reward_tolerance})"),
+        _ratio("latency_p95", mc.latency_p95_ms, mb.latency_p95_ms, rule.latency_p95_ratio,
+               "p95 latency (ms)"),
+        _ratio("tokens_per_task", mc.tokens_per_task, mb.tokens_per_task, rule.tokens_ratio,
+               "tokens per task"),
+    ]
+    for g in sorted(set(mc.groups) & set(mb.groups)):
+        if min(mc.group_samples[g], mb.group_samples[g]) < rule.group_min_samples:
+            continue
+        drop = mb.groups[g] - mc.groups[g]
+        checks.append(GateCheck(
+            name=f"group:{g}", passed=drop <= rule.group_tolerance,
+            detail=f"success on {g} {mb.groups[g]:.3f} → {mc.groups[g]:.3f} "
+                   f"(may drop at most {rule.group_tolerance})"))
+    failed = [c for c in checks if not c.passed]
+    if failed:
+        reasons = [f"not promoted: {c.name} failed — {c.detail}" for c in failed]
+    else:
+        reasons = [f"promote: {checks[1].detail}; {checks[2].detail}; no guard metric or task "
+                   "group regressed beyond its tolerance"]
+    thresholds = {k: float(v) for k, v in asdict(rule).items() if isinstance(v, int | float)}
+    return Decision("reject" if failed else "promote", mc, mb, rule.test, statistic, p,
+                    checks, reasons, thresholds)
+
+
+def _upper(name: str, value: float, limit: float, before: float, label: str) -> GateCheck:
+    return GateCheck(name=name, passed=value <= limit + 1e-12,
+                     detail=f"{label} {before:.3f} → {value:.3f} (limit {limit:.3f})")
+
+
+def _ratio(name: str, value: float, before: float, ratio: float, label: str) -> GateCheck:
+    if before <= 0:
+        return GateCheck(name=name, passed=True, detail=f"{label}: no production figure")
+    return GateCheck(name=name, passed=value <= before * ratio,
+                     detail=f"{label} {before:.0f} → {value:.0f} (limit ×{ratio})")

@@ -1,0 +1,127 @@
+"""The gate's work on one candidate: evaluate both sides on the frozen holdout, decide, record.
+
+Idempotent: a candidate that is no longer `candidate` (already evaluated, decided) is
+skipped, so a redelivered `AdapterTrained` is a no-op. The evaluations themselves are cached
+per (version, eval set, gate settings), so production is sampled once for many candidates.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from flywheel.config import Settings
+from flywheel.events import AdapterEvaluatedPayload, AdapterTrainedPayload, Event
+from flywheel.gate import lifecycle
+from flywheel.gate.decision import EvalRun, decide
+from flywheel.gate.evaluate import (
+    Holdout,
+    cached_run,
+    evaluate,
+    load_holdout,
+    rule_of,
+    run_key,
+    store_run,
+)
+from flywheel.policy.base import Policy
+from flywheel.rollout.service import resolve_adapter
+
+log = logging.getLogger("flywheel.gate")
+
+
+class GateService:
+    def __init__(self, settings: Settings, engine: AsyncEngine, policy: Policy) -> None:
+        self.settings, self.engine, self.policy = settings, engine, policy
+        self.name = settings.rollout.policy
+
+    async def run_for(self, version: int | None, holdout: Holdout) -> EvalRun:
+        """The holdout run of `version` (None = base model), from the cache or sampled."""
+        key = run_key(self.settings, version, holdout)
+        async with self.engine.connect() as conn:
+            cached = await cached_run(conn, key)
+        if cached is not None:
+            return cached
+        adapter = await resolve_adapter(self.engine, self.name, version)
+        if adapter is not None:
+            await self.policy.ensure_adapter(adapter)
+        label = f"v{version}" if version is not None else "the base model"
+        log.info("evaluating %s on %d holdout tasks (eval set v%d, k=%d)", label,
+                 len(holdout.tasks), holdout.eval_set_version, self.settings.gate.samples_per_task)
+        run = await evaluate(self.policy, holdout, adapter, self.settings)
+        async with self.engine.begin() as conn:
+            await store_run(conn, key, self.name, holdout, run)
+        return run
+
+    async def _status(self, version: int) -> tuple[str | None, int | None]:
+        async with self.engine.connect() as conn:
+            status = (await conn.execute(text("""SELECT status FROM adapter_versions
+                WHERE policy = :p AND version = :v"""), {"p": self.name, "v": version})).scalar()
+            newest = (await conn.execute(text(
+                "SELECT max(version) FROM adapter_versions WHERE policy = :p"),
+                {"p": self.name})).scalar()
+        return status, newest
+
+    async def on_trained(self, trained: AdapterTrainedPayload) -> list[Event]:
+        """Gate one published candidate (called for every `AdapterTrained`)."""
+        if trained.policy != self.name:
+            return []
+        status, newest = await self._status(trained.version)
+        if status != "candidate":
+            return []  # already evaluated or decided (a redelivery)
+        if self.settings.gate.skip_superseded and newest is not None \
+                and newest > trained.version:
+            async with self.engine.begin() as conn:
+                event = await lifecycle.reject_unevaluated(
+                    conn, self.name, trained.version, actor="gate",
+                    reason=f"superseded by v{newest} before the gate evaluated it",
+                    topic=self.settings.topics.adapters)
+            return [event]
+        return await self.evaluate_version(trained.version)
+
+    async def evaluate_version(self, version: int) -> list[Event]:
+        """Evaluate `version` against current production and record (and in auto mode carry
+        out) the decision. Also how an operator re-evaluates a rolled-back version."""
+        async with self.engine.connect() as conn:
+            holdout = await load_holdout(conn, self.settings.gate.max_tasks)
+        for _ in range(3):
+            async with self.engine.connect() as conn:
+                production = (await conn.execute(text(
+                    "SELECT version FROM production WHERE policy = :p"),
+                    {"p": self.name})).scalar()
+            if production == version:
+                raise lifecycle.LifecycleError(f"v{version} is production already")
+            candidate = await self.run_for(version, holdout)
+            baseline = await self.run_for(production, holdout)
+            payload = decision_payload(self.settings, version, production,
+                                       holdout.eval_set_version, candidate, baseline)
+            try:
+                async with self.engine.begin() as conn:
+                    events = await lifecycle.record_evaluation(
+                        conn, payload, self.settings.topics.adapters)
+            except lifecycle.Conflict as err:
+                log.warning("%s; evaluating again against the new production", err)
+                continue
+            log.info("v%d: %s", version, " ".join(payload.reasons))
+            return events
+        raise lifecycle.Conflict(f"production kept moving while v{version} was evaluated")
+
+
+def decision_payload(settings: Settings, version: int, production: int | None,
+                     eval_set_version: int, candidate: EvalRun, baseline: EvalRun
+                     ) -> AdapterEvaluatedPayload:
+    """The decision record of `candidate` against `baseline` under the configured rule."""
+    d = decide(candidate, baseline, rule_of(settings))
+    return AdapterEvaluatedPayload(
+        evaluation_id=uuid.uuid4(), policy=settings.rollout.policy, version=version,
+        baseline_version=production, eval_set_version=eval_set_version,
+        mode=settings.gate.mode, recommendation=d.recommendation, candidate=d.candidate,
+        baseline=d.baseline, test=d.test, statistic=d.statistic, p_value=d.p_value,
+        thresholds=d.thresholds, checks=d.checks, reasons=d.reasons)
+
+
+def describe(events: list[Any]) -> str:
+    return ", ".join(e.type for e in events) or "nothing to do"
