@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 Scope = Literal["publish", "operate"]
@@ -131,10 +131,99 @@ class TrainerSettings(BaseModel):
     stalled_after_s: float = 900.0
     """A step running this long → state `stalled`."""
     adapters_dir: Path | None = None
-    """Adapter artifact store; unset = `<home>/adapters`."""
+    """The local adapter store (`artifacts.backend = local`); unset = `<home>/adapters`."""
     keep_versions: int = Field(default=10, ge=1)
     """Newest adapter versions kept on disk; versions that outstanding rollout requests
     still name are never deleted (production and baseline pins arrive with the gate)."""
+
+
+class GateSettings(BaseModel):
+    group_id: str = "flywheel-gate"
+    """Consumer group of the gate (one member per policy)."""
+    mode: Literal["auto", "manual"] = "auto"
+    """`auto`: the gate promotes or rejects; `manual`: it recommends, an operator decides."""
+    samples_per_task: int = Field(default=4, ge=1)
+    """k: attempts per holdout task and side (same seeds for candidate and production)."""
+    temperature: float = Field(default=0.7, gt=0)
+    """Sampling temperature of the evaluation."""
+    seed: int = 1234
+    """Base of the per-task seeds (the same for every side and every evaluation)."""
+    max_tasks: int | None = None
+    """Evaluate at most this many holdout tasks (deterministic subset by task id); unset = all
+    of the eval set. Only to bound evaluation time on slow hardware."""
+    min_gain: float = 0.05
+    """Least improvement of holdout success rate (absolute) to promote."""
+    alpha: float = 0.05
+    """Significance level of the paired test (candidate better than production)."""
+    test: Literal["bootstrap", "mcnemar"] = "bootstrap"
+    """Paired test: bootstrap over tasks of the per-task success difference, or exact
+    one-sided McNemar over (task, sample) pairs."""
+    bootstrap_resamples: int = 4000
+    """Resamples of the paired bootstrap (fixed seed: the decision is reproducible)."""
+    invalid_tolerance: float = 0.05
+    """Largest allowed rise of the invalid-output rate."""
+    unsafe_tolerance: float = 0.0
+    """Largest allowed rise of the unsafe-action rate."""
+    reward_tolerance: float = 0.02
+    """Largest allowed drop of mean reward."""
+    latency_p95_ratio: float = 2.0
+    """Largest allowed candidate/production ratio of p95 latency."""
+    tokens_ratio: float = 1.5
+    """Largest allowed candidate/production ratio of tokens per task."""
+    group_tolerance: float = 0.10
+    """Largest allowed drop of success in any task group (per tool, environment, failure
+    mode): a collapse onto one behaviour fails here even when the mean improves."""
+    group_min_samples: int = 8
+    """Task groups with fewer samples on a side are reported but not judged."""
+    skip_superseded: bool = True
+    """A candidate already superseded by a newer version when the gate reaches it is
+    rejected as superseded instead of evaluated (the gate keeps up with the trainer)."""
+    baseline_invalid_threshold: float = 0.5
+    """Baseline rule: invalid-output rate above this → SFT first."""
+    baseline_success_low: float = 0.02
+    """Baseline rule: success at or below this on valid outputs → more or easier tasks."""
+    baseline_success_high: float = 0.9
+    """Baseline rule: success at or above this → little left for RL to learn."""
+
+
+class ArtifactSettings(BaseModel):
+    """Where published adapter versions live: a local directory (`trainer.adapters_dir`, the
+    default) or an S3-compatible bucket, downloaded to `cache_dir` and verified on load."""
+
+    backend: Literal["local", "s3"] = "local"
+    """`local`: a directory (`trainer.adapters_dir`); `s3`: an S3-compatible bucket."""
+    bucket: str | None = None
+    """Bucket of the `s3` backend (must exist); required when `backend` is `s3`."""
+    prefix: str = "adapters"
+    """Key prefix in the bucket: version N of a policy lives under `<prefix>/<policy>/v<N>/`."""
+    endpoint_url: str | None = None
+    """URL of an S3-compatible server (MinIO, Ceph, R2, …); unset = AWS S3."""
+    region: str | None = None
+    """Region of the bucket; unset = `AWS_REGION`/`AWS_DEFAULT_REGION` or the AWS config."""
+    access_key_id: str | None = None
+    """Access key; unset = the standard AWS chain (`AWS_ACCESS_KEY_ID`, ~/.aws, instance
+    role). Set both keys or neither."""
+    secret_access_key: SecretStr | None = None
+    """Secret key; unset = the standard AWS chain (`AWS_SECRET_ACCESS_KEY`, …)."""
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    """`path` for servers without per-bucket DNS names (typical for MinIO and Ceph)."""
+    conditional_put: Literal["auto", "always", "never"] = "auto"
+    """How a publish commits its manifest without overwriting a concurrent one: `always`
+    sends `If-None-Match: *` (AWS S3, MinIO, R2, recent Ceph); `never` checks, then puts (two
+    publishers of one version can then race); `auto` tests the server once and picks."""
+    cache_dir: Path | None = None
+    """Local copies of versions that `load` downloads and verifies (engines load local
+    files); unset = `<home>/adapter-cache`."""
+
+    @model_validator(mode="after")
+    def _complete(self) -> ArtifactSettings:
+        if self.backend == "s3" and not self.bucket:
+            raise ValueError("artifacts.backend is 's3' but no bucket is set; set "
+                             "FLYWHEEL_ARTIFACTS__BUCKET (or use backend 'local')")
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            raise ValueError("set both artifacts.access_key_id and artifacts.secret_access_key,"
+                             " or neither to use the standard AWS credential chain")
+        return self
 
 
 class RelaySettings(BaseModel):
@@ -152,6 +241,9 @@ class ApiSettings(BaseModel):
     tokens: dict[str, list[Scope]] = Field(default_factory=dict)
     """Bearer token → scopes. JSON in the environment: `FLYWHEEL_API__TOKENS='{"t1": ["publish"]}'`.
     Empty = `flywheel up` generates a `publish` and an `operate` token into `.flywheel/run.json`."""
+    serve: bool = True
+    """Serve the `production` alias (`POST /v1/chat/completions`) and follow promotions and
+    rollbacks; loads the policy engine in the API process on the first switch."""
     max_request_bytes: int = 16 * 1_048_576
     """Largest request body; one trajectory is also bounded by `ingest.max_payload_bytes`."""
 
@@ -169,6 +261,8 @@ class Settings(BaseSettings):
     miner: MinerSettings = Field(default_factory=MinerSettings)
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     trainer: TrainerSettings = Field(default_factory=TrainerSettings)
+    artifacts: ArtifactSettings = Field(default_factory=ArtifactSettings)
+    gate: GateSettings = Field(default_factory=GateSettings)
     relay: RelaySettings = Field(default_factory=RelaySettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
 
@@ -210,10 +304,14 @@ def settings_env(settings: Settings) -> dict[str, str]:
     import json
 
     env: dict[str, str] = {"FLYWHEEL_HOME": str(settings.home.resolve())}
-    for section in ("kafka", "db", "ingest", "miner", "rollout", "trainer", "relay", "api"):
-        for key, value in getattr(settings, section).model_dump(mode="json").items():
+    for section in ("kafka", "db", "ingest", "miner", "rollout", "trainer", "artifacts", "gate",
+                    "relay", "api"):
+        model = getattr(settings, section)
+        for key, value in model.model_dump(mode="json").items():
             if value is None:
                 continue
+            if isinstance(secret := getattr(model, key), SecretStr):
+                value = secret.get_secret_value()  # dumped as '**********' otherwise
             name = f"FLYWHEEL_{section.upper()}__{key.upper()}"
             env[name] = json.dumps(value) if isinstance(value, dict | list) else str(value)
     return env
