@@ -26,6 +26,7 @@ from flywheel.events import ServingSwitched, ServingSwitchedPayload
 from flywheel.gate import lifecycle
 from flywheel.policy.base import AdapterRef, Policy, SamplingParams
 from flywheel.rollout.service import resolve_adapter
+from flywheel.trainer.artifacts import artifact_store
 
 log = logging.getLogger("flywheel.serving")
 ALIASES = ("production",)
@@ -75,7 +76,8 @@ class ServingSync:
                 return False
             if self.current is not None and self.current.version == row.version:
                 return False
-            adapter = await resolve_adapter(self.engine, self.name, row.version)
+            adapter = await resolve_adapter(self.engine, self.name, row.version,
+                                            artifact_store(self.settings))
             if adapter is not None:
                 # Every replica loads and verifies it before the alias moves.
                 await self.policy().ensure_adapter(adapter)
@@ -125,7 +127,8 @@ class ServingSync:
         prefix = f"{self.name}@v"
         if model.startswith(prefix) and model[len(prefix):].isdigit():
             version = int(model[len(prefix):])
-            adapter = await resolve_adapter(self.engine, self.name, version)
+            adapter = await resolve_adapter(self.engine, self.name, version,
+                                            artifact_store(self.settings))
             if adapter is not None:
                 await self.policy().ensure_adapter(adapter)
             return Target(version, adapter)

@@ -29,6 +29,7 @@ from flywheel.gate.evaluate import (
 )
 from flywheel.policy.base import Policy
 from flywheel.rollout.service import resolve_adapter
+from flywheel.trainer.artifacts import artifact_store
 
 log = logging.getLogger("flywheel.gate")
 
@@ -45,7 +46,8 @@ class GateService:
             cached = await cached_run(conn, key)
         if cached is not None:
             return cached
-        adapter = await resolve_adapter(self.engine, self.name, version)
+        adapter = await resolve_adapter(self.engine, self.name, version,
+                                        artifact_store(self.settings))
         if adapter is not None:
             await self.policy.ensure_adapter(adapter)
         label = f"v{version}" if version is not None else "the base model"

@@ -19,6 +19,7 @@ from flywheel.mining.store import HoldoutRefused, training_tasks
 from flywheel.policy.base import AdapterRef, Policy
 from flywheel.rollout import store
 from flywheel.rollout.loop import GroupConfig, GroupOutcome, run_group
+from flywheel.trainer.artifacts import ArtifactStore, artifact_store
 
 log = logging.getLogger("flywheel.rollout")
 
@@ -30,8 +31,10 @@ def group_config(settings: Settings) -> GroupConfig:
                        rollout_timeout_s=r.rollout_timeout_s, min_scored=r.min_scored)
 
 
-async def resolve_adapter(engine: AsyncEngine, policy: str, version: int | None
-                          ) -> AdapterRef | None:
+async def resolve_adapter(engine: AsyncEngine, policy: str, version: int | None,
+                          store: ArtifactStore | None = None) -> AdapterRef | None:
+    """The registered version; with `store`, its artifact is fetched (S3) and every checksum
+    verified first, so a tampered or truncated adapter is refused (`CorruptAdapter`)."""
     if version is None:
         return None
     async with engine.connect() as conn:
@@ -40,6 +43,9 @@ async def resolve_adapter(engine: AsyncEngine, policy: str, version: int | None
             {"p": policy, "v": version})).scalar()
     if path is None:
         raise LookupError(f"adapter {policy}@v{version} is not registered")
+    if store is not None:
+        ref, _ = await asyncio.to_thread(store.load, policy, version)
+        return ref
     return AdapterRef(policy, version, Path(path))
 
 
@@ -75,7 +81,8 @@ async def handle_request(req: RolloutRequestedPayload, *, engine: AsyncEngine, p
     waited = await wait_for_admission(engine, settings)
     if waited:
         log.info("admission: waited %.0fs for the trainer to drain the backlog", waited)
-    adapter = await resolve_adapter(engine, settings.rollout.policy, req.adapter_version)
+    adapter = await resolve_adapter(engine, settings.rollout.policy, req.adapter_version,
+                                    artifact_store(settings))
     if adapter is not None:
         await policy.ensure_adapter(adapter)
     cfg = group_config(settings)

@@ -59,12 +59,11 @@ def grpo_config(settings: Settings) -> GRPOConfig:
 
 class TrainerService:
     def __init__(self, settings: Settings, engine: AsyncEngine) -> None:
-        from flywheel.trainer.store import AdapterStore
+        from flywheel.trainer.artifacts import artifact_store
 
         self.settings, self.engine = settings, engine
         self.policy = settings.rollout.policy
-        root = settings.trainer.adapters_dir or settings.home / "adapters"
-        self.store = AdapterStore(root.resolve())
+        self.store = artifact_store(settings)
         self.version: int | None = None
         self.trainer: Any = None
         self.batch: list[_Pending] = []       # received, waiting for a full batch
@@ -104,10 +103,7 @@ class TrainerService:
                  else "the base model")
 
     def _discard(self, version: int) -> None:
-        path = self.store.path(self.policy, version)
-        trash = path.with_name(f".trash-orphan-{version}-{uuid.uuid4().hex[:6]}")
-        path.rename(trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        self.store.discard(self.policy, version)
         log.warning("discarded unregistered adapter %s@v%d left by a crash", self.policy, version)
 
     async def on_records(self, records: list[Any], consumer: Any) -> None:
@@ -192,9 +188,9 @@ class TrainerService:
     async def publish(self, consumer: Any) -> int:
         """Write the adapter atomically, register it, emit AdapterTrained, then commit."""
         version = (self.version or 0) + 1
-        self.store.root.mkdir(parents=True, exist_ok=True)
+        self.store.staging_dir.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".staging-v{version}-",
-                                        dir=self.store.root))
+                                        dir=self.store.staging_dir))
         try:
             await asyncio.to_thread(self.trainer.save, staging)
             ids = [str(p.group.group_id) for p in self.trained]
