@@ -1,8 +1,10 @@
 """Gate: every new adapter version is evaluated against production before it can serve.
 
 Subscribes: `<prefix>.adapters` (`AdapterTrained`), group `gate.group_id`.
-Writes:     `eval_runs` (cached holdout runs), the lifecycle projections (`evaluations`,
-            `adapter_versions.status`, `production`), `events` + `outbox`.
+Writes:     `baselines` (the base model on each new eval set, once: the trainer reads the
+            recommended first stage), `eval_runs` (cached holdout runs), the lifecycle
+            projections (`evaluations`, `adapter_versions.status`, `production`), `events`
+            + `outbox`.
 Publishes (through the outbox): `AdapterEvaluated`, then in `auto` mode `AdapterPromoted` or
             `AdapterRejected` → `<prefix>.adapters`.
 
@@ -15,6 +17,7 @@ is committed; a redelivered `AdapterTrained` finds the version decided and does 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -82,9 +85,30 @@ def build_app(settings: Settings) -> FastStream:
         log.info("%s@v%d: %s", event.payload.policy, event.payload.version, describe(events))
 
     app = FastStream(broker, logger=log)
+    tasks: list[asyncio.Task[None]] = []
+
+    async def baseline_when_ready() -> None:
+        """Baseline first: once an eval set is frozen, measure the base model on it."""
+        while True:
+            try:
+                await gate.baseline()
+                return
+            except NoEvalSet:
+                await asyncio.sleep(NO_EVAL_SET_POLL_S / 5)
+            except Exception as err:
+                log.warning("baseline will be retried: %s", err)
+                await asyncio.sleep(RETRY_BACKOFF_S)
+
+    @app.on_startup
+    async def _baseline() -> None:
+        tasks.append(asyncio.create_task(baseline_when_ready()))
 
     @app.after_shutdown
     async def _close() -> None:
+        for t in tasks:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
         await policy.close()
         await engine.dispose()
 

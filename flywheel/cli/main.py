@@ -22,12 +22,14 @@ evalset_app = typer.Typer(no_args_is_help=True, help="Frozen held-out evaluation
 app.add_typer(evalset_app, name="evalset")
 verify_app = typer.Typer(no_args_is_help=True, help="Run verifiers on outputs; profile rewards.")
 app.add_typer(verify_app, name="verify")
+from flywheel.cli.baseline import baseline  # noqa: E402
 from flywheel.cli.common import JsonOpt, _db_call, _fail, _settings, console, uuid_arg  # noqa: E402
 from flywheel.cli.review import adapters_app, promotions_app, replay  # noqa: E402
 
 app.add_typer(promotions_app, name="promotions")
 app.add_typer(adapters_app, name="adapters")
 app.command()(replay)
+app.command()(baseline)
 
 
 @app.command()

@@ -58,6 +58,28 @@ class GateService:
             await store_run(conn, key, self.name, holdout, run)
         return run
 
+    async def baseline(self, *, force: bool = False) -> dict[str, Any] | None:
+        """Measure the base model (and production) on the newest eval set and record the
+        recommended next stage; without `force`, only when that eval set has none yet."""
+        from flywheel.gate.baseline import latest_baseline, store_baseline
+        from flywheel.gate.decision import metrics
+
+        async with self.engine.connect() as conn:
+            holdout = await load_holdout(conn, self.settings.gate.max_tasks)
+            if not force and await latest_baseline(conn, self.name, holdout.eval_set_version):
+                return None
+            production = (await conn.execute(text(
+                "SELECT version FROM production WHERE policy = :p"), {"p": self.name})).scalar()
+        base = metrics(await self.run_for(None, holdout))
+        prod = metrics(await self.run_for(production, holdout)) if production else None
+        async with self.engine.begin() as conn:
+            record = await store_baseline(conn, self.name, holdout.eval_set_version, base, prod,
+                                          self.settings.gate)
+        log.info("baseline on eval set v%d: base success %.2f, invalid %.2f → %s (%s)",
+                 holdout.eval_set_version, base.success_rate, base.invalid_rate,
+                 record["recommendation"], record["reason"])
+        return record
+
     async def _status(self, version: int) -> tuple[str | None, int | None]:
         async with self.engine.connect() as conn:
             status = (await conn.execute(text("""SELECT status FROM adapter_versions

@@ -1,0 +1,75 @@
+"""Baseline first: the base model (and production) on the frozen holdout, and the next stage.
+
+The seeds' rule, applied to the base model's holdout run: if its outputs are mostly invalid
+(it does not follow the required format), teach the format with SFT on demonstrations first;
+if it succeeds sometimes but not reliably, GRPO has signal; if it almost never succeeds even
+when its output is valid, RL has nothing to reinforce — it needs more or easier tasks.
+The record lands in `baselines` (shown by `flywheel status`, the dashboard and the demo) and
+the trainer reads it before the first training of a policy.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from flywheel.config import GateSettings
+from flywheel.events import GateMetrics
+
+Stage = Literal["sft", "grpo", "more_tasks", "none"]
+
+
+def recommend(base: GateMetrics, g: GateSettings) -> tuple[Stage, str]:
+    """The next stage for a policy whose base model scored `base` on the holdout."""
+    if base.samples == 0:
+        return "more_tasks", ("no holdout attempt could be scored: add verifiable tasks "
+                              "(check `flywheel tasks ls --split holdout`)")
+    if base.invalid_rate > g.baseline_invalid_threshold:
+        return "sft", (f"{base.invalid_rate:.0%} of the base model's outputs are invalid "
+                       f"(above {g.baseline_invalid_threshold:.0%}): teach the format with SFT "
+                       "on successful trajectories before GRPO")
+    valid = 1.0 - base.invalid_rate
+    success_on_valid = base.success_rate / valid if valid > 0 else 0.0
+    if success_on_valid <= g.baseline_success_low:
+        return "more_tasks", (f"the base model almost never succeeds even when its output is "
+                              f"valid ({success_on_valid:.1%} of valid outputs): GRPO would "
+                              "have no signal — mine more, or easier, tasks")
+    if base.success_rate >= g.baseline_success_high:
+        return "none", (f"the base model already succeeds on {base.success_rate:.0%} of the "
+                        "holdout: little for training to gain — collect harder failures")
+    return "grpo", (f"the base model succeeds on {base.success_rate:.0%} of the holdout, "
+                    "sometimes but not reliably: GRPO has signal")
+
+
+async def store_baseline(conn: AsyncConnection, policy: str, eval_set_version: int,
+                         base: GateMetrics, production: GateMetrics | None,
+                         g: GateSettings) -> dict[str, Any]:
+    stage, reason = recommend(base, g)
+    record = {"policy": policy, "eval_set_version": eval_set_version,
+              "base": base.model_dump(mode="json"),
+              "production": production.model_dump(mode="json") if production else None,
+              "recommendation": stage, "reason": reason,
+              "thresholds": {"invalid": g.baseline_invalid_threshold,
+                             "success_low": g.baseline_success_low,
+                             "success_high": g.baseline_success_high}}
+    baseline_id = uuid.uuid4()
+    await conn.execute(text("""INSERT INTO baselines (baseline_id, policy, eval_set_version,
+        record, recommendation) VALUES (:id, :p, :e, CAST(:r AS jsonb), :s)"""),
+        {"id": baseline_id, "p": policy, "e": eval_set_version, "r": json.dumps(record),
+         "s": stage})
+    return {"baseline_id": str(baseline_id), **record}
+
+
+async def latest_baseline(conn: AsyncConnection, policy: str,
+                          eval_set_version: int | None = None) -> dict[str, Any] | None:
+    row = (await conn.execute(text("""SELECT baseline_id, record, created_at FROM baselines
+        WHERE policy = :p AND (CAST(:e AS int) IS NULL OR eval_set_version = :e)
+        ORDER BY created_at DESC LIMIT 1"""), {"p": policy, "e": eval_set_version})).first()
+    if row is None:
+        return None
+    return {"baseline_id": str(row.baseline_id), "created_at": row.created_at.isoformat(),
+            **row.record}
