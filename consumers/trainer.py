@@ -6,6 +6,9 @@ Writes:     the adapter store (atomic, checksummed versions), `adapter_versions`
             `events` + `outbox`.
 Publishes (through the outbox): `AdapterTrained` → `<prefix>.adapters`.
 
+Before the first training of a policy (`trainer.stages = sft_then_grpo`) it waits for the
+gate's baseline and, when that recommends SFT, publishes an SFT warm start from
+demonstrations (successes and corrected failures, never holdout) as version 1.
 Batches B groups per step; drops groups sampled more than `max_staleness` versions ago
 (recorded and counted); publishes a version every `publish_every` steps; commits offsets
 only once their groups' effect is durable. Reports `starved`/`stalled` instead of hanging.
@@ -62,8 +65,6 @@ def build_app(settings: Settings) -> FastStream:
 
     @app.on_startup
     async def _load() -> None:
-        await service.start()
-
         async def beat() -> None:
             while True:
                 try:
@@ -72,7 +73,10 @@ def build_app(settings: Settings) -> FastStream:
                     log.warning("heartbeat failed: %s", err)
                 await asyncio.sleep(HEARTBEAT_S)
 
+        # The heartbeat runs from the start: loading, the baseline wait and the SFT warm
+        # start are visible in status too.
         tasks.append(asyncio.create_task(beat()))
+        await service.start()
 
     @app.after_shutdown
     async def _close() -> None:

@@ -133,8 +133,25 @@ class TrainerSettings(BaseModel):
     adapters_dir: Path | None = None
     """The local adapter store (`artifacts.backend = local`); unset = `<home>/adapters`."""
     keep_versions: int = Field(default=10, ge=1)
-    """Newest adapter versions kept on disk; versions that outstanding rollout requests
-    still name are never deleted (production and baseline pins arrive with the gate)."""
+    """Newest adapter versions kept on disk besides those never deleted: production, every
+    version that was production (rollback targets), one awaiting review, and any that
+    outstanding rollout requests still sample."""
+    stages: Literal["sft_then_grpo", "grpo_only"] = "sft_then_grpo"
+    """`sft_then_grpo`: before the first training of a policy, wait for the gate's baseline
+    and, when it recommends SFT (the base model mostly ignores the format), publish an SFT
+    warm start from demonstrations first; GRPO continues from it. `grpo_only`: GRPO from
+    the base model."""
+    sft_steps: int = Field(default=12, ge=1)
+    """Optimizer steps of the SFT warm start."""
+    sft_batch: int = Field(default=8, ge=1)
+    """Demonstrations per SFT step."""
+    sft_lr: float = 1e-3
+    """Learning rate of the SFT warm start (GRPO continues with `lr` and a fresh optimizer)."""
+    sft_max_demos: int = 2000
+    """Most demonstrations read for the warm start."""
+    baseline_wait_s: float = 900.0
+    """How long the first training waits for the gate's baseline before going on with GRPO
+    (said in the trainer's status)."""
 
 
 class GateSettings(BaseModel):

@@ -98,7 +98,8 @@ async def test_kill_and_resume_trains_every_group_exactly_once(
         "rollout": settings.rollout.model_copy(update={
             "train_batch_groups": 2, "model_dir": resolve_model_dir(None)}),
         "trainer": settings.trainer.model_copy(update={
-            "publish_every": 1, "adapters_dir": tmp_path / "adapters", "lora_r": 8})})
+            "publish_every": 1, "adapters_dir": tmp_path / "adapters", "lora_r": 8,
+            "stages": "grpo_only"})})
     await ensure_topics(s.kafka.bootstrap, s.topics.all(), partitions=1)
     engine = make_engine(db_url)
     async with engine.begin() as conn:

@@ -75,6 +75,17 @@ def sequence_logprobs(model: torch.nn.Module, prompt_ids: Sequence[int],
     return [float(x) for x in scores[0]]
 
 
+def chat_prompt_ids(tokenizer: Any, messages: Messages, prefill: str = "") -> list[int]:
+    """Token ids of the chat prompt (generation prompt added) followed by `prefill`.
+
+    The ids a completion is sampled after, and so the ids SFT trains a completion after.
+    """
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                         tokenize=False)
+    assert isinstance(text, str)
+    return list(tokenizer(text + prefill, add_special_tokens=False)["input_ids"])
+
+
 def stop_cut(text: str, params: SamplingParams) -> int | None:
     """Where the completion `text` must end by `params`' stop conditions; None = not yet."""
     cuts = [text.find(s) + len(s) for s in params.stop if s and s in text]
@@ -162,10 +173,7 @@ class LocalPolicy:
 
         Not while a sample runs: the fast tokenizer must not be used from two threads at once.
         """
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
-                                                  tokenize=False)
-        assert isinstance(text, str)
-        return list(self.tokenizer(text + prefill, add_special_tokens=False)["input_ids"])
+        return chat_prompt_ids(self.tokenizer, messages, prefill)
 
     async def logprobs(self, prompt_ids: Sequence[int], completion_ids: Sequence[int],
                        temperature: float, *, adapter: AdapterRef | None = None) -> list[float]:

@@ -4,7 +4,8 @@ The base model is loaded once; the adapter is either fresh (LoRA B = 0, so the p
 equal to the base) or resumed from a published version together with its optimizer state.
 Old log-probs come from sampling (never recomputed), so the importance ratio corrects for
 any staleness. The KL reference is the base model — the same weights with the adapter
-disabled, no second copy.
+disabled, no second copy. The same adapter and optimizer take SFT steps on demonstrations
+(the warm start before GRPO; see `flywheel.trainer.sft`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from flywheel.events import GroupScoredPayload
+from flywheel.mining.demos import Demonstration
 from flywheel.policy.local import token_logprobs
 from flywheel.trainer.grpo import GRPOConfig, group_advantages, grpo_loss
+from flywheel.trainer.sft import encode_demonstration, end_of_turn_ids, sft_step
 
 STATE_FILE = "trainer_state.pt"
 
@@ -100,6 +103,8 @@ class LoRATrainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
         self.steps = 0
+        self.model_dir = model_dir
+        self._tokenizer: Any = None
         if resume_from is not None and (resume_from / STATE_FILE).exists():
             state = torch.load(resume_from / STATE_FILE, weights_only=True)
             self.optimizer.load_state_dict(state["optimizer"])
@@ -154,6 +159,39 @@ class LoRATrainer:
                         "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
                         "tokens_per_s": total_tokens / max(time.perf_counter() - started, 1e-9)})
         return metrics
+
+    def sft_step(self, demos: Sequence[Demonstration], *,
+                 lr: float | None = None) -> dict[str, float]:
+        """One optimizer step of completion-only cross-entropy on `demos`.
+
+        `lr` overrides the optimizer's learning rate for this step only (a warm start usually
+        wants a larger one than GRPO).
+        """
+        if self._tokenizer is None:  # only SFT needs text → ids; GRPO trains on sampled ids
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir,
+                                                            local_files_only=True)
+        end = end_of_turn_ids(self._tokenizer)
+        examples = [encode_demonstration(self._tokenizer, d, end) for d in demos]
+        saved = [g["lr"] for g in self.optimizer.param_groups]
+        if lr is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+        try:
+            metrics = sft_step(self.model, self.optimizer, examples, pad_id=self.pad_id,
+                               micro_batch=self.micro_batch, grad_clip=self.grad_clip)
+        finally:
+            for g, old in zip(self.optimizer.param_groups, saved, strict=True):
+                g["lr"] = old
+        self.steps += 1
+        return metrics
+
+    def reset_optimizer(self) -> None:
+        """Fresh AdamW moments (after the SFT warm start, before GRPO)."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
     def save(self, directory: Path) -> None:
         """Adapter weights + optimizer state: everything needed to resume exactly."""

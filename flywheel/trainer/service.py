@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import shutil
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
@@ -97,10 +98,55 @@ class TrainerService:
             LoRATrainer, self.model_dir, lora=LoRASpec(r=t.lora_r, alpha=t.lora_alpha),
             grpo=grpo_config(self.settings), lr=t.lr, grad_clip=t.grad_clip,
             micro_batch=t.micro_batch, resume_from=resume)
+        if self.version is None and self.settings.trainer.stages == "sft_then_grpo":
+            await self.warm_start()
         self.status.state, self.status.detail = "waiting", None
         self.status.last_group_at = time.monotonic()
         log.info("trainer ready at %s", f"{self.policy}@v{self.version}" if self.version
                  else "the base model")
+
+    async def warm_start(self) -> int | None:
+        """Baseline first, then SFT if the baseline says so: publishes the SFT version (the
+        parent of every GRPO version) and returns it; None when GRPO starts from the base."""
+        from flywheel.gate.baseline import latest_baseline
+        from flywheel.mining.demos import load_demonstrations
+
+        t = self.settings.trainer
+        self.status.state = "warm_start"
+        self.status.detail = "waiting for the gate's baseline on the frozen holdout"
+        deadline = time.monotonic() + t.baseline_wait_s
+        baseline = None
+        while time.monotonic() < deadline:
+            async with self.engine.connect() as conn:
+                baseline = await latest_baseline(conn, self.policy)
+            if baseline is not None:
+                break
+            await asyncio.sleep(2.0)
+        if baseline is None:
+            log.warning("no baseline after %.0fs (is the gate running, is an eval set "
+                        "frozen?): starting GRPO from the base model", t.baseline_wait_s)
+            return None
+        log.info("baseline recommends %s: %s", baseline["recommendation"], baseline["reason"])
+        if baseline["recommendation"] != "sft":
+            return None
+        async with self.engine.connect() as conn:
+            demos = await load_demonstrations(conn, limit=t.sft_max_demos,
+                                              holdout_fraction=self.settings.miner.holdout_fraction)
+        if not demos:
+            log.warning("SFT recommended but there are no demonstrations (successful or "
+                        "corrected trajectories) yet: starting GRPO from the base model")
+            return None
+        order = random.Random(0).sample(demos, len(demos))
+        for step in range(t.sft_steps):
+            start = (step * t.sft_batch) % len(order)
+            batch = (order + order)[start:start + min(t.sft_batch, len(order))]
+            self.status.detail = f"SFT step {step + 1}/{t.sft_steps} on {len(demos)} demos"
+            metrics = await asyncio.to_thread(self.trainer.sft_step, batch, lr=t.sft_lr)
+            self.status.metrics = {f"sft_{k}": v for k, v in metrics.items()}
+            log.info("SFT step %d/%d: loss %.4f", step + 1, t.sft_steps, metrics["loss"])
+        # GRPO starts with fresh optimizer moments, resumed or not (the state is published).
+        self.trainer.reset_optimizer()
+        return await self.publish(None, stage="sft", demos=len(demos))
 
     def _discard(self, version: int) -> None:
         self.store.discard(self.policy, version)
@@ -185,7 +231,8 @@ class TrainerService:
         self.stale = []
         await self._commit(consumer)
 
-    async def publish(self, consumer: Any) -> int:
+    async def publish(self, consumer: Any | None, *, stage: Literal["sft", "grpo"] = "grpo",
+                      demos: int = 0) -> int:
         """Write the adapter atomically, register it, emit AdapterTrained, then commit."""
         version = (self.version or 0) + 1
         self.store.staging_dir.mkdir(parents=True, exist_ok=True)
@@ -197,12 +244,13 @@ class TrainerService:
             ref = await asyncio.to_thread(
                 self.store.publish, self.policy, version, staging,
                 base_model=str(self.model_dir), parent_version=self.version,
-                steps=self.trainer.steps, groups_consumed=ids, stage="grpo")
+                steps=self.trainer.steps, groups_consumed=ids, stage=stage,
+                extra={"demonstrations": demos} if stage == "sft" else None)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         payload = AdapterTrainedPayload(
             policy=self.policy, version=version, parent_version=self.version,
-            path=str(ref.path), stage="grpo", steps=self.trainer.steps, groups=len(ids),
+            path=str(ref.path), stage=stage, steps=self.trainer.steps, groups=len(ids),
             stale_dropped=self.stale_since_publish, metrics=self.status.metrics)
         event = AdapterTrained(aggregate_id=f"{self.policy}@v{version}", payload=payload)
         async with self.engine.begin() as conn:
@@ -214,9 +262,10 @@ class TrainerService:
             await append_events(conn, [(event, self.settings.topics.adapters)])
         self.version, self.trained, self.steps_since_publish = version, [], 0
         self.stale_since_publish = 0
-        await self._commit(consumer)
+        if consumer is not None:
+            await self._commit(consumer)
         await self._retain()
-        log.info("published %s@v%d (%d groups)", self.policy, version, len(ids))
+        log.info("published %s@v%d (%s, %d groups)", self.policy, version, stage, len(ids))
         return version
 
     async def _retain(self) -> None:

@@ -1,0 +1,279 @@
+"""Demonstrations for the SFT warm start: production successes and corrected failures as chat
+examples, put to the policy exactly as a rollout would put the equivalent task.
+
+A demonstration is the first tool call of a `tool_call` decision: the prompt that
+`build_prompt` makes of the context before it (instructions, one example per tool, the
+`{"tool": "` prefill) and the canonical JSON call after the prefill. It comes from
+
+* a successful trajectory: its first function call after the user request, when that call
+  names an offered, safe tool, its arguments are a JSON object and its output is no error;
+* a failure corrected by a person, by structured feedback or by a later successful retry in
+  the same session: the corrected call. The miner already turned these into train-split
+  tasks, so the store reads them from the tasks' `ToolCallSpec.expected`.
+
+Its fingerprint is the one the miner gives the task built from the same context and call, so
+the holdout filter speaks the miner's language: nothing whose fingerprint is a holdout task's,
+nothing from a holdout task's source trajectories or from their (session, request), and,
+given the miner's holdout fraction, nothing whose fingerprint *would* be held out once such
+a failure is mined. Only single-step `tool_call` decisions over plain-text context are
+demonstrations for now; `workplace` episodes and `code` answers are not yet.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from flywheel.mining.build import (
+    TASK_ID_NAMESPACE,
+    Unverifiable,
+    build_task,
+    expected_calls,
+    fingerprint,
+    request_key,
+    split_of,
+    to_messages,
+)
+from flywheel.mining.classify import classify_failure, parse_arguments
+from flywheel.rollout.prompt import build_prompt
+from flywheel.schemas import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    Trajectory,
+    parse_trajectory,
+)
+from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
+
+Request = tuple[str, str]
+"""(session_id, request_key): one request of one session, however often it was retried."""
+
+
+@dataclass(frozen=True)
+class Demonstration:
+    messages: list[dict[str, Any]]
+    """The chat messages exactly as `build_prompt` puts the equivalent task to the policy."""
+    prefill: str
+    """Text the assistant turn starts with (part of the prompt, never trained on)."""
+    completion: str
+    """The canonical JSON call after the prefill: the tokens SFT trains on."""
+    source_trajectory_id: uuid.UUID
+    fingerprint: str
+    """The miner's fingerprint of the task with this context and expected call."""
+    env: str
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A demonstration and every trajectory it stems from (what the holdout filter checks)."""
+
+    demo: Demonstration
+    sources: tuple[uuid.UUID, ...]
+    requests: tuple[Request, ...]
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """What evaluation owns; a demonstration touching any of it is never trained on."""
+
+    fingerprints: frozenset[str] = frozenset()
+    trajectories: frozenset[uuid.UUID] = frozenset()
+    requests: frozenset[Request] = frozenset()
+    holdout_fraction: float | None = None
+    """The miner's fraction: also refuse fingerprints it would split into holdout later."""
+
+    def admits(self, c: Candidate) -> bool:
+        fp = c.demo.fingerprint
+        if fp in self.fingerprints or self.trajectories.intersection(c.sources):
+            return False
+        if self.requests.intersection(c.requests):
+            return False
+        return not (self.holdout_fraction is not None
+                    and split_of(fp, self.holdout_fraction) == "holdout")
+
+
+def request_of(t: Trajectory) -> Request | None:
+    key = request_key(t)
+    return (t.session_id, key) if t.session_id is not None and key is not None else None
+
+
+def demonstration_from_task(task: TaskSpec, source: uuid.UUID) -> Demonstration | None:
+    """The task's expected call as a demonstration; None when it cannot be one."""
+    spec = task.verifier
+    if task.env != "tool_call" or not isinstance(spec, ToolCallSpec):
+        return None
+    names = {tool.get("name") for tool in task.tools}
+    unsafe = set(spec.unsafe_tools) | {t.get("name") for t in task.tools if t.get("x-unsafe")}
+    if spec.expected.name not in names or spec.expected.name in unsafe:
+        return None
+    # Earlier tool calls in the context have no text the chat template can render; the first
+    # decision after the request is what single-step demonstrations teach.
+    if not all(isinstance(m.get("content"), str) and m["role"] in {"system", "user"}
+               for m in task.messages) or not any(m["role"] == "user" for m in task.messages):
+        return None
+    prompt = build_prompt(task)
+    call = json.dumps({"tool": spec.expected.name, "arguments": spec.expected.arguments})
+    if not call.startswith(prompt.prefill):
+        return None
+    return Demonstration(messages=prompt.messages, prefill=prompt.prefill,
+                         completion=call[len(prompt.prefill):], source_trajectory_id=source,
+                         fingerprint=task.fingerprint, env=task.env)
+
+
+def _environment(t: Trajectory) -> str:
+    meta = t.metadata.get("environment")
+    return str(meta.get("name", "tool_call")) if isinstance(meta, dict) else "tool_call"
+
+
+def success_task(t: Trajectory) -> TaskSpec | None:
+    """The task the miner would build had this success's first call been the failing one."""
+    if t.is_failure or _environment(t) != "tool_call" or not t.tools:
+        return None
+    first = next(((n, i) for n, i in enumerate(t.items) if isinstance(i, FunctionCallItem)),
+                 None)
+    if first is None:
+        return None
+    step, call = first
+    output = next((i for i in t.items
+                   if isinstance(i, FunctionCallOutputItem) and i.call_id == call.call_id), None)
+    args = parse_arguments(call.arguments)
+    if args is None or (output is not None and output.status != "ok"):
+        return None
+    # The same serialization and verifier as `build_task`, so the fingerprints agree.
+    tools = [tool.model_dump(mode="json", exclude_none=True) for tool in t.tools]
+    unsafe = sorted(d["name"] for d in tools if d.get("x-unsafe"))
+    messages = to_messages(t.items[:step])
+    verifier = ToolCallSpec(expected=ExpectedCall(name=call.name, arguments=args),
+                            unsafe_tools=unsafe)
+    fp = fingerprint("tool_call", messages, [d["name"] for d in tools], verifier)
+    # build_prompt reads only messages, tools and verifier: mode and split are placeholders.
+    return TaskSpec(task_id=uuid.uuid5(TASK_ID_NAMESPACE, fp), env="tool_call",
+                    messages=messages, tools=tools, verifier=verifier, failure_mode="other",
+                    fingerprint=fp, split="train")
+
+
+def demonstrations_from_record(t: Trajectory, *, retry: Trajectory | None = None
+                               ) -> list[Demonstration]:
+    """A success's first call, or a failure's corrected call; nothing for an uncorrected
+    failure (`retry`: the later successful attempt at the same request, if any)."""
+    if not t.is_failure:
+        task: TaskSpec | Unverifiable | None = success_task(t)
+    else:
+        found = expected_calls(t, retry)
+        if found is None or _environment(t) != "tool_call":
+            return []
+        task = build_task(t, classify_failure(t, found[0]), retry=retry)
+    if not isinstance(task, TaskSpec):
+        return []
+    demo = demonstration_from_task(task, t.trajectory_id)
+    return [demo] if demo is not None else []
+
+
+def select(candidates: Iterable[Candidate], held: HeldOut, *,
+           limit: int | None = None) -> list[Demonstration]:
+    """Admitted demonstrations, one per (fingerprint, completion), ordered by that key."""
+    seen: dict[tuple[str, str], Demonstration] = {}
+    for c in candidates:
+        key = (c.demo.fingerprint, c.demo.completion)
+        if key not in seen and held.admits(c):
+            seen[key] = c.demo
+    ordered = [seen[k] for k in sorted(seen)]
+    return ordered if limit is None else ordered[:limit]
+
+
+# -- Postgres --------------------------------------------------------------------------------
+
+_HOLDOUT = text("""
+SELECT t.fingerprint, t.expected_from, s.trajectory_id, coalesce(f.record, tr.record) AS record
+FROM tasks t
+LEFT JOIN task_sources s ON s.task_id = t.task_id
+LEFT JOIN failures f ON f.trajectory_id = s.trajectory_id
+LEFT JOIN trajectories tr ON tr.trajectory_id = s.trajectory_id
+WHERE t.split = 'holdout' OR t.task_id IN (SELECT task_id FROM eval_set_tasks)""")
+
+_TRAIN_TASKS = text("""
+SELECT t.spec, s.trajectory_id, coalesce(f.record, tr.record) AS record
+FROM tasks t
+JOIN task_sources s ON s.task_id = t.task_id
+LEFT JOIN failures f ON f.trajectory_id = s.trajectory_id
+LEFT JOIN trajectories tr ON tr.trajectory_id = s.trajectory_id
+WHERE t.split = 'train' AND t.env = 'tool_call'
+  AND t.task_id NOT IN (SELECT task_id FROM eval_set_tasks)
+ORDER BY t.task_id, s.added_at, s.trajectory_id""")
+
+_SUCCESSES = text("""
+SELECT DISTINCT ON (trajectory_id) trajectory_id, record FROM (
+  SELECT trajectory_id, record FROM session_successes
+  UNION ALL
+  SELECT trajectory_id, record FROM trajectories WHERE NOT is_failure) u
+ORDER BY trajectory_id""")
+
+
+def _request(record: dict[str, Any] | None) -> list[Request]:
+    req = request_of(parse_trajectory(record)) if record is not None else None
+    return [req] if req is not None else []
+
+
+async def _train_task_candidates(conn: AsyncConnection) -> list[Candidate]:
+    by_task: dict[str, tuple[TaskSpec, list[uuid.UUID], list[Request]]] = {}
+    for spec, source, record in (await conn.execute(_TRAIN_TASKS)).all():
+        task = TaskSpec.model_validate(spec)
+        _, sources, requests = by_task.setdefault(str(task.task_id), (task, [], []))
+        sources.append(source)
+        requests += _request(record)
+    out = []
+    for task, sources, requests in by_task.values():
+        demo = demonstration_from_task(task, sources[0])
+        if demo is not None:
+            out.append(Candidate(demo, tuple(sources), tuple(requests)))
+    return out
+
+
+async def _success_candidates(conn: AsyncConnection) -> list[Candidate]:
+    out = []
+    for _id, record in (await conn.execute(_SUCCESSES)).all():
+        # `trajectories.record` may be the payload as sent (chat format, extra fields).
+        t = parse_trajectory(record)
+        out += [Candidate(d, (t.trajectory_id,), tuple(_request(record)))
+                for d in demonstrations_from_record(t)]
+    return out
+
+
+async def read_candidates(conn: AsyncConnection) -> list[Candidate]:
+    """Every demonstration the store holds, before the holdout filter and dedupe."""
+    return [*await _train_task_candidates(conn), *await _success_candidates(conn)]
+
+
+async def held_out(conn: AsyncConnection, holdout_fraction: float | None = None) -> HeldOut:
+    """Fingerprints, source trajectories (and retries) and requests of every holdout task."""
+    fps: set[str] = set()
+    trajectories: set[uuid.UUID] = set()
+    requests: set[Request] = set()
+    for fp, expected_from, source, record in (await conn.execute(_HOLDOUT)).all():
+        fps.add(fp)
+        if source is not None:
+            trajectories.add(source)
+        if expected_from.startswith("retry:"):
+            trajectories.add(uuid.UUID(expected_from.removeprefix("retry:")))
+        requests.update(_request(record))
+    return HeldOut(frozenset(fps), frozenset(trajectories), frozenset(requests),
+                   holdout_fraction)
+
+
+async def load_demonstrations(conn: AsyncConnection, *, limit: int | None = None,
+                              holdout_fraction: float | None = None) -> list[Demonstration]:
+    """Successes and corrected train tasks as demonstrations, none touching evaluation.
+
+    `holdout_fraction` (the miner's setting) also refuses demonstrations whose task would be
+    held out if that request ever failed. Deterministic: ordered by (fingerprint, completion).
+    """
+    candidates = await read_candidates(conn)
+    # Read the holdout side last: a holdout task committed while the candidates were read is
+    # still excluded (a REPEATABLE READ transaction makes the whole read one snapshot).
+    held = await held_out(conn, holdout_fraction)
+    return select(candidates, held, limit=limit)

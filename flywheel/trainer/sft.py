@@ -1,0 +1,115 @@
+"""Supervised warm start: demonstrations as token ids with a completion-only loss, and one
+optimizer step of cross-entropy on them.
+
+The prompt ids are the very ids the policy samples after (`chat_prompt_ids`: chat template,
+generation prompt, prefill), so SFT teaches the distribution GRPO later samples from. Only
+the completion and the end-of-turn token carry loss (the latter so the model learns to stop);
+instructions, tool list and prefill are context, never targets.
+
+Import this module lazily: it imports torch and transformers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from flywheel.mining.demos import Demonstration
+from flywheel.policy.local import chat_prompt_ids
+
+IGNORE = -100
+"""Label of a token that carries no loss (PyTorch's cross-entropy `ignore_index`)."""
+
+
+@dataclass(frozen=True)
+class SFTExample:
+    input_ids: list[int]
+    labels: list[int]
+    """Same length as `input_ids`: the token itself where it is trained on, else IGNORE."""
+
+    @property
+    def target_len(self) -> int:
+        """Trained tokens, which always end the sequence."""
+        return sum(label != IGNORE for label in self.labels)
+
+
+def end_of_turn_ids(tokenizer: Any) -> list[int]:
+    """What ends an assistant turn. Instruct tokenizers name it as their EOS (`<|im_end|>`
+    for SmolLM2), and it is what the policy stops sampling at."""
+    eos = tokenizer.eos_token_id
+    return [] if eos is None else [int(eos)]
+
+
+def encode_demonstration(tokenizer: Any, demo: Demonstration,
+                         end_ids: Sequence[int]) -> SFTExample:
+    prompt = chat_prompt_ids(tokenizer, demo.messages, demo.prefill)
+    # Tokenized on its own, as sampling produces it: the prefill's tokens are fixed in the
+    # prompt and can never merge with the completion's first characters.
+    completion = [*tokenizer(demo.completion, add_special_tokens=False)["input_ids"], *end_ids]
+    return SFTExample([*prompt, *completion], [IGNORE] * len(prompt) + completion)
+
+
+def collate(examples: Sequence[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
+    """Left-padded ids and attention [b, L]; targets [b, K], the labels of the last K columns
+    (K = longest target), so only the last K + 1 positions need logits."""
+    width = max(len(e.input_ids) for e in examples)
+    keep = max(max(e.target_len for e in examples), 1)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(examples), width), dtype=torch.long)
+    targets = torch.full((len(examples), keep), IGNORE, dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[i, width - n:] = torch.tensor(e.input_ids)
+        attn[i, width - n:] = 1
+        tail = e.labels[-keep:]
+        targets[i, keep - len(tail):] = torch.tensor(tail)
+    return {"ids": ids, "attn": attn, "targets": targets}
+
+
+def completion_loss(model: Any, batch: dict[str, torch.Tensor]
+                    ) -> tuple[torch.Tensor, int, int]:
+    """(summed cross-entropy over the targets, targets, targets predicted by argmax)."""
+    device = next(model.parameters()).device
+    ids, attn = batch["ids"].to(device), batch["attn"].to(device)
+    targets = batch["targets"].to(device)  # [b, K]
+    keep = targets.shape[1]
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids,
+                   logits_to_keep=keep + 1).logits[:, :-1].float()  # [b, K, V]
+    # logits[:, j] was computed at column L - K - 1 + j and predicts column L - K + j.
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=IGNORE, reduction="sum")
+    mask = targets != IGNORE
+    correct = int(((logits.argmax(-1) == targets) & mask).sum())
+    return loss, int(mask.sum()), correct
+
+
+def sft_step(model: Any, optimizer: torch.optim.Optimizer, examples: Sequence[SFTExample], *,
+             pad_id: int, micro_batch: int = 4, grad_clip: float = 1.0) -> dict[str, float]:
+    """One optimizer step of mean per-token cross-entropy over every target of `examples`.
+
+    Micro-batches are weighted by their share of targets, so the step equals one loss over
+    the whole batch whatever `micro_batch` is.
+    """
+    started = time.perf_counter()
+    model.train()
+    total = sum(e.target_len for e in examples)
+    loss_sum, correct = 0.0, 0
+    for i in range(0, len(examples), micro_batch):
+        loss, _n, right = completion_loss(model, collate(examples[i:i + micro_batch], pad_id))
+        (loss / max(total, 1)).backward()  # type: ignore[no-untyped-call]
+        loss_sum += float(loss.detach())
+        correct += right
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    elapsed = max(time.perf_counter() - started, 1e-9)
+    return {"loss": loss_sum / max(total, 1), "token_accuracy": correct / max(total, 1),
+            "samples": float(len(examples)), "tokens": float(total),
+            "grad_norm": float(grad_norm), "step_s": elapsed, "tokens_per_s": total / elapsed}
