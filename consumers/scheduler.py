@@ -6,7 +6,9 @@ Writes:     `rollout_requests`, `events` + `outbox`.
 Publishes (through the outbox): `RolloutRequested` → `<prefix>.rollout.requests`.
 
 It tops up requests so that outstanding requests plus the untrained backlog stay within
-max_staleness × B groups: sampling never runs further ahead of training than that.
+max_staleness × B groups: sampling never runs further ahead of training than that. While
+the trainer's warm start is under way (waiting for the baseline, or SFT) it requests
+nothing: those groups would come from a policy about to be replaced.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import logging
 import random
 
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
@@ -49,10 +51,29 @@ async def schedule_once(engine: AsyncEngine, settings: Settings, rng: random.Ran
         version = (await conn.execute(text(
             "SELECT max(version) FROM adapter_versions WHERE policy = :p"),
             {"p": cfg.policy})).scalar()
-        picked = pick_tasks(await store.candidate_stats(conn), room, rng,
+        if version is None and await _warm_starting(conn, settings):
+            return 0
+        picked = pick_tasks(await store.candidate_stats(conn, cfg.envs), room, rng,
                             explore_share=cfg.explore_share, min_attempts=cfg.group_size)
         await store.request_rollouts(conn, picked, version, settings.topics.rollout_requests)
     return len(picked)
+
+
+async def _warm_starting(conn: AsyncConnection, settings: Settings) -> bool:
+    """Baseline first: until the trainer's first stage is settled (the baseline is measured
+    and, if it says SFT, the SFT version published), groups sampled from the base model
+    would only be superseded — don't sample them. A trainer that gave up waiting (no
+    baseline, no demonstrations) goes on with GRPO, and so does sampling."""
+    if settings.trainer.stages != "sft_then_grpo":
+        return False
+    policy = settings.rollout.policy
+    state = (await conn.execute(text("SELECT state FROM trainer_status WHERE policy = :p"),
+                                {"p": policy})).scalar()
+    if state in ("waiting", "training", "starved", "stalled"):
+        return False
+    recommendation = (await conn.execute(text("""SELECT recommendation FROM baselines
+        WHERE policy = :p ORDER BY created_at DESC LIMIT 1"""), {"p": policy})).scalar()
+    return recommendation is None or recommendation == "sft"
 
 
 async def run_scheduler(settings: Settings, stop: asyncio.Event) -> None:

@@ -76,6 +76,9 @@ class RolloutSettings(BaseModel):
     """Base model name as served by vLLM."""
     policy: str = "policy"
     """Policy name: adapter version N is served as `<policy>@v<N>`."""
+    envs: list[str] = Field(default_factory=list)
+    """Environments this policy is trained and gated on (e.g. `["tool_call"]`); empty = all.
+    Tasks of other environments are still mined and kept, for another policy."""
     group_size: int = Field(default=8, ge=2)
     """G: attempts per task per group."""
     max_tokens: int = 64

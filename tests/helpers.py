@@ -18,7 +18,8 @@ from flywheel.config import Settings, settings_env
 
 def spawn(module: str, settings: Settings, log: Path) -> subprocess.Popen[bytes]:
     """Run `python -m module` with `settings` in its environment."""
-    env = {**os.environ, **settings_env(settings)}
+    # One intra-op thread: children run torch next to the test process (see torch_threads).
+    env = {"OMP_NUM_THREADS": "1", **os.environ, **settings_env(settings)}
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         return subprocess.Popen([sys.executable, "-m", module], env=env, stdout=out,

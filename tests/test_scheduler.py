@@ -21,8 +21,9 @@ pytestmark = [pytest.mark.postgres]
 
 async def test_requests_stay_within_staleness_budget(settings: Settings, db_url: str,
                                                      pg_dsn: str) -> None:
-    s = settings.model_copy(update={"rollout": RolloutSettings(max_staleness=2,
-                                                               train_batch_groups=3)})
+    s = settings.model_copy(update={
+        "rollout": RolloutSettings(max_staleness=2, train_batch_groups=3),
+        "trainer": settings.trainer.model_copy(update={"stages": "grpo_only"})})
     engine = make_engine(db_url)
     async with engine.begin() as conn:
         records = simulate(1500, agents=3, failure_rate=0.6, seed=31)
@@ -55,4 +56,37 @@ async def test_requests_stay_within_staleness_budget(settings: Settings, db_url:
     async with engine.begin() as c:
         await c.execute(text("UPDATE rollout_groups SET trained_at = now()"))
     assert await schedule_once(engine, s, rng) == 2  # the trainer caught up
+    await engine.dispose()
+
+
+async def test_no_base_model_rollouts_while_the_warm_start_is_pending(
+        settings: Settings, db_url: str) -> None:
+    from sqlalchemy import text
+
+    from flywheel.events import GateMetrics
+    from flywheel.gate.baseline import store_baseline
+
+    engine = make_engine(db_url)
+    async with engine.begin() as conn:
+        records = simulate(600, agents=1, failure_rate=0.6, seed=5)
+        await mine_batch(conn, [parse_trajectory(r) for r in records], holdout_fraction=0.2,
+                         tasks_topic=settings.topics.tasks)
+    rng = random.Random(0)
+    assert settings.trainer.stages == "sft_then_grpo"
+    assert await schedule_once(engine, settings, rng) == 0  # no baseline yet
+
+    def base(invalid: float) -> GateMetrics:
+        return GateMetrics(version=None, tasks=5, samples=20, not_run=0, success_rate=0.1,
+                           mean_reward=0.1, invalid_rate=invalid, unsafe_rate=0.0,
+                           latency_mean_ms=1.0, latency_p95_ms=1.0, tokens_per_task=1.0,
+                           groups={}, group_samples={})
+
+    async with engine.begin() as conn:
+        await store_baseline(conn, "policy", 1, base(0.9), None, settings.gate)
+        await conn.execute(text("""INSERT INTO trainer_status (policy, state, updated_at)
+            VALUES ('policy', 'warm_start', now())"""))
+    assert await schedule_once(engine, settings, rng) == 0  # SFT under way
+    async with engine.begin() as conn:  # the trainer gave up on SFT: GRPO from the base
+        await conn.execute(text("UPDATE trainer_status SET state = 'waiting'"))
+    assert await schedule_once(engine, settings, rng) > 0
     await engine.dispose()

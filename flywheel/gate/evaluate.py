@@ -46,16 +46,20 @@ def rule_of(settings: Settings) -> Rule:
                 group_min_samples=g.group_min_samples)
 
 
-async def load_holdout(conn: AsyncConnection, max_tasks: int | None = None) -> Holdout:
-    """The tasks of the newest frozen eval set (a deterministic subset if capped)."""
+async def load_holdout(conn: AsyncConnection, max_tasks: int | None = None,
+                       envs: list[str] | None = None) -> Holdout:
+    """The tasks of the newest frozen eval set in the policy's environments (`envs`; empty =
+    all), a deterministic subset if capped."""
     version = (await conn.execute(text("SELECT max(version) FROM eval_sets"))).scalar()
     if version is None:
         raise NoEvalSet("no eval set is frozen yet: run `flywheel evalset freeze` once the "
                         "miner has produced holdout tasks")
     rows = (await conn.execute(text("""
         SELECT t.spec FROM eval_set_tasks e JOIN tasks t USING (task_id)
-        WHERE e.version = :v ORDER BY t.task_id LIMIT :n"""),
-        {"v": version, "n": max_tasks})).scalars()
+        WHERE e.version = :v
+          AND (cardinality(CAST(:envs AS text[])) = 0 OR t.env = ANY(CAST(:envs AS text[])))
+        ORDER BY t.task_id LIMIT :n"""),
+        {"v": version, "n": max_tasks, "envs": envs or []})).scalars()
     return Holdout(int(version), [TaskSpec.model_validate(r) for r in rows])
 
 
@@ -80,6 +84,7 @@ def _attempt(task: TaskSpec, r: ScoredRollout) -> Attempt:
 def run_key(settings: Settings, version: int | None, holdout: Holdout) -> str:
     g, r = settings.gate, settings.rollout
     parts = {"policy": r.policy, "version": version, "eval_set": holdout.eval_set_version,
+             "envs": sorted(r.envs),
              "tasks": [str(t.task_id) for t in holdout.tasks], "k": g.samples_per_task,
              "temperature": g.temperature, "seed": g.seed, "max_tokens": r.max_tokens,
              "max_steps": r.max_steps, "engine": r.engine, "model": str(r.model_dir)}

@@ -65,7 +65,8 @@ class GateService:
         from flywheel.gate.decision import metrics
 
         async with self.engine.connect() as conn:
-            holdout = await load_holdout(conn, self.settings.gate.max_tasks)
+            holdout = await load_holdout(conn, self.settings.gate.max_tasks,
+                                         self.settings.rollout.envs)
             if not force and await latest_baseline(conn, self.name, holdout.eval_set_version):
                 return None
             production = (await conn.execute(text(
@@ -110,7 +111,8 @@ class GateService:
         """Evaluate `version` against current production and record (and in auto mode carry
         out) the decision. Also how an operator re-evaluates a rolled-back version."""
         async with self.engine.connect() as conn:
-            holdout = await load_holdout(conn, self.settings.gate.max_tasks)
+            holdout = await load_holdout(conn, self.settings.gate.max_tasks,
+                                         self.settings.rollout.envs)
         for _ in range(3):
             async with self.engine.connect() as conn:
                 production = (await conn.execute(text(

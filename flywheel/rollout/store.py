@@ -37,15 +37,18 @@ async def outstanding(conn: AsyncConnection) -> int:
         "SELECT count(*) FROM rollout_requests WHERE status = 'requested'"))).scalar_one())
 
 
-async def candidate_stats(conn: AsyncConnection) -> list[TaskStat]:
-    """Train tasks that are not retired (never holdout, never in a frozen eval set)."""
+async def candidate_stats(conn: AsyncConnection, envs: list[str] | None = None
+                          ) -> list[TaskStat]:
+    """Train tasks that are not retired (never holdout, never in a frozen eval set), of the
+    policy's environments (`envs`; empty or None = all)."""
     rows = (await conn.execute(text("""
         SELECT t.task_id, coalesce(s.attempts, 0), coalesce(s.successes, 0)
         FROM tasks t LEFT JOIN task_stats s ON s.task_id = t.task_id
         WHERE t.split = 'train' AND s.retired IS NULL
           AND t.task_id NOT IN (SELECT task_id FROM eval_set_tasks)
+          AND (cardinality(CAST(:envs AS text[])) = 0 OR t.env = ANY(CAST(:envs AS text[])))
           AND t.task_id NOT IN (SELECT task_id FROM rollout_requests
-                                WHERE status = 'requested')"""))).all()
+                                WHERE status = 'requested')"""), {"envs": envs or []})).all()
     return [TaskStat(r[0], int(r[1]), int(r[2])) for r in rows]
 
 

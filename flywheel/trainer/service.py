@@ -10,13 +10,16 @@ groups already in a version are recognised in Postgres and skipped, so none is t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import random
 import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -50,6 +53,20 @@ class TrainerState:
     step_started_at: float | None = None
     stale_dropped: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def all_cores() -> Iterator[None]:
+    """Every core for torch's intra-op pool for a while (the stack gives each torch service
+    a share, see `flywheel.runtime.stack.torch_threads`)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(before, os.cpu_count() or 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def grpo_config(settings: Settings) -> GRPOConfig:
@@ -137,16 +154,23 @@ class TrainerService:
                         "corrected trajectories) yet: starting GRPO from the base model")
             return None
         order = random.Random(0).sample(demos, len(demos))
-        for step in range(t.sft_steps):
-            start = (step * t.sft_batch) % len(order)
-            batch = (order + order)[start:start + min(t.sft_batch, len(order))]
-            self.status.detail = f"SFT step {step + 1}/{t.sft_steps} on {len(demos)} demos"
-            metrics = await asyncio.to_thread(self.trainer.sft_step, batch, lr=t.sft_lr)
-            self.status.metrics = {f"sft_{k}": v for k, v in metrics.items()}
-            log.info("SFT step %d/%d: loss %.4f", step + 1, t.sft_steps, metrics["loss"])
+        # Sampling is held while the warm start runs (see the scheduler) and the gate is
+        # idle once the baseline is in: the trainer may use every core meanwhile.
+        with all_cores():
+            await self._sft(order, len(demos))
         # GRPO starts with fresh optimizer moments, resumed or not (the state is published).
         self.trainer.reset_optimizer()
         return await self.publish(None, stage="sft", demos=len(demos))
+
+    async def _sft(self, order: list[Any], demos: int) -> None:
+        t = self.settings.trainer
+        for step in range(t.sft_steps):
+            start = (step * t.sft_batch) % len(order)
+            batch = (order + order)[start:start + min(t.sft_batch, len(order))]
+            self.status.detail = f"SFT step {step + 1}/{t.sft_steps} on {demos} demos"
+            metrics = await asyncio.to_thread(self.trainer.sft_step, batch, lr=t.sft_lr)
+            self.status.metrics = {f"sft_{k}": v for k, v in metrics.items()}
+            log.info("SFT step %d/%d: loss %.4f", step + 1, t.sft_steps, metrics["loss"])
 
     def _discard(self, version: int) -> None:
         self.store.discard(self.policy, version)
