@@ -56,7 +56,7 @@ def decided(p: Progress) -> list[dict[str, Any]]:
     return [d for d in p.decisions if d["state"] in ("promoted", "rejected")]
 
 
-def finished(p: Progress, *, grpo_decisions: int = 1) -> bool:
+def finished(p: Progress, *, grpo_decisions: int = 2) -> bool:
     """The loop has turned once: the warm start (if any) and `grpo_decisions` GRPO
     candidates were decided by the gate."""
     done = decided(p)
