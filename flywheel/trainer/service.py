@@ -10,7 +10,6 @@ groups already in a version are recognised in Postgres and skipped, so none is t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -19,10 +18,10 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
@@ -36,6 +35,7 @@ from flywheel.gate.lifecycle import project
 from flywheel.trainer.grpo import GRPOConfig
 
 log = logging.getLogger("flywheel.trainer")
+T = TypeVar("T")
 
 
 @dataclass
@@ -55,16 +55,16 @@ class TrainerState:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-@contextlib.contextmanager
-def all_cores() -> Iterator[None]:
-    """Every core for torch's intra-op pool for a while (the stack gives each torch service
-    a share, see `flywheel.runtime.stack.torch_threads`)."""
+def on_all_cores(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run `fn` with every core in torch's intra-op pool (the stack gives each torch service a
+    share, see `flywheel.runtime.stack.torch_threads`). torch keeps the count per thread, so
+    it is set and restored in the thread that computes."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(max(before, os.cpu_count() or 1))
     try:
-        yield
+        return fn(*args, **kwargs)
     finally:
         torch.set_num_threads(before)
 
@@ -156,8 +156,7 @@ class TrainerService:
         order = random.Random(0).sample(demos, len(demos))
         # Sampling is held while the warm start runs (see the scheduler) and the gate is
         # idle once the baseline is in: the trainer may use every core meanwhile.
-        with all_cores():
-            await self._sft(order, len(demos))
+        await self._sft(order, len(demos))
         # GRPO starts with fresh optimizer moments, resumed or not (the state is published).
         self.trainer.reset_optimizer()
         return await self.publish(None, stage="sft", demos=len(demos))
@@ -168,7 +167,8 @@ class TrainerService:
             start = (step * t.sft_batch) % len(order)
             batch = (order + order)[start:start + min(t.sft_batch, len(order))]
             self.status.detail = f"SFT step {step + 1}/{t.sft_steps} on {demos} demos"
-            metrics = await asyncio.to_thread(self.trainer.sft_step, batch, lr=t.sft_lr)
+            metrics = await asyncio.to_thread(on_all_cores, self.trainer.sft_step, batch,
+                                              lr=t.sft_lr)
             self.status.metrics = {f"sft_{k}": v for k, v in metrics.items()}
             log.info("SFT step %d/%d: loss %.4f", step + 1, t.sft_steps, metrics["loss"])
 
