@@ -114,7 +114,8 @@ class TrainerSettings(BaseModel):
     grad_clip: float = 1.0
     """Gradient-norm clip."""
     micro_batch: int = 4
-    """Sequences per forward/backward (memory bound); the step is over the whole batch."""
+    """Completions of one prompt per forward/backward (memory bound); each prompt runs once
+    per step and the step is over the whole batch."""
     lora_r: int = 16
     """LoRA rank."""
     lora_alpha: int = 32

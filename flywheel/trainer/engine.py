@@ -6,12 +6,16 @@ Old log-probs come from sampling (never recomputed), so the importance ratio cor
 any staleness. The KL reference is the base model — the same weights with the adapter
 disabled, no second copy. The same adapter and optimizer take SFT steps on demonstrations
 (the warm start before GRPO; see `flywheel.trainer.sft`).
+
+A group's G completions share one prompt, and a batch's prompts share their instructions and
+tools: each prompt, and that common prefix, runs once per step (`flywheel.trainer.prefix`),
+with the exact gradient of running every sequence in full.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +27,15 @@ from transformers import AutoModelForCausalLM
 from flywheel.events import GroupScoredPayload
 from flywheel.mining.demos import Demonstration
 from flywheel.policy.local import token_logprobs
-from flywheel.trainer.grpo import GRPOConfig, group_advantages, grpo_loss
+from flywheel.trainer.grpo import GRPOConfig, group_advantages, grpo_loss, pad_batch
+from flywheel.trainer.prefix import (
+    EncodedPrompt,
+    backward_prompt,
+    by_prompt,
+    completion_logps,
+    encode_prompt,
+    shared_prefix_len,
+)
 from flywheel.trainer.sft import encode_demonstration, end_of_turn_ids, sft_step
 
 STATE_FILE = "trainer_state.pt"
@@ -86,6 +98,13 @@ def _batch(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tensor]:
             "adv": torch.tensor([s.advantage for s in samples]), "keep": torch.tensor(keep)}
 
 
+_Add = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor,
+                 Sequence[Sample]], None]
+"""Takes one micro-batch's (logp, ref_logp, old_logp, mask) [b, K] and its samples."""
+_Pair = tuple[EncodedPrompt, EncodedPrompt | None]
+"""A prompt encoded under the policy and, when the KL needs it, under the reference."""
+
+
 class LoRATrainer:
     def __init__(self, model_dir: Path, *, lora: LoRASpec, grpo: GRPOConfig, lr: float,
                  grad_clip: float = 1.0, micro_batch: int = 4,
@@ -127,38 +146,97 @@ class LoRATrainer:
         total_tokens = sum(len(s.completion_ids) for s in samples)
         metrics: dict[str, float] = {"samples": float(len(samples)),
                                      "tokens": float(total_tokens)}
-        sums: dict[str, float] = {}
-        for i in range(0, len(samples), self.micro_batch):
-            chunk = samples[i:i + self.micro_batch]
-            b = _batch(chunk, self.pad_id)
-            logp = self._logps(b, chunk[0].temperature)
-            ref = None
-            if self.grpo.kl_coef > 0:
-                with torch.no_grad(), self.model.disable_adapter():
-                    ref = self._logps(b, chunk[0].temperature)
-            # Padding columns never reach the loss, not even as NaN × 0.
-            logp = torch.where(b["mask"], logp, torch.zeros_like(logp))
-            if ref is not None:
-                ref = torch.where(b["mask"], ref, torch.zeros_like(ref))
-            loss, m = grpo_loss(logp, b["old"], b["adv"], b["mask"], self.grpo, ref_logp=ref)
-            # Weight micro-batches so the step equals one loss over the whole batch.
-            weight = (int(b["mask"].sum()) / max(total_tokens, 1)
-                      if self.grpo.loss_norm == "token" else len(chunk) / len(samples))
-            (loss * weight).backward()  # type: ignore[no-untyped-call]
-            for k, v in m.items():
-                if k != "tokens":
-                    sums[k] = sums.get(k, 0.0) + float(v) * weight
+        metrics.update(self.backward(samples))
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.model.parameters() if p.requires_grad], self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         rewards = [r.reward for g in groups for r in g.rollouts if r.reward is not None]
-        metrics.update(sums)
         metrics.update({"grad_norm": float(grad_norm), "step_s": time.perf_counter() - started,
                         "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
                         "tokens_per_s": total_tokens / max(time.perf_counter() - started, 1e-9)})
         return metrics
+
+    def backward(self, samples: Sequence[Sample], *,
+                 share_prompts: bool = True) -> dict[str, float]:
+        """Accumulate the gradient of one GRPO loss over all of `samples` → its metrics.
+
+        Each distinct prompt runs once (`flywheel.trainer.prefix`), continuing the prefix all
+        prompts share (instructions, tools) when that too runs once; a micro-batch is up to
+        `micro_batch` completions of one prompt on top of its cached keys/values. Memory is
+        then bounded by one micro-batch plus the activations of one prompt and the shared
+        prefix, held until their completions are done. With `share_prompts=False` every
+        prompt + completion runs in full, `micro_batch` sequences per forward (the old path,
+        the reference for the exactness tests).
+        """
+        total_tokens = sum(len(s.completion_ids) for s in samples)
+        sums: dict[str, float] = {}
+
+        def add(logp: torch.Tensor, ref: torch.Tensor | None, old: torch.Tensor,
+                mask: torch.Tensor, chunk: Sequence[Sample]) -> None:
+            # Padding columns never reach the loss, not even as NaN × 0.
+            logp = torch.where(mask, logp, torch.zeros_like(logp))
+            if ref is not None:
+                ref = torch.where(mask, ref, torch.zeros_like(ref))
+            adv = torch.tensor([s.advantage for s in chunk], device=logp.device)
+            loss, m = grpo_loss(logp, old.to(logp.device), adv, mask.to(logp.device),
+                                self.grpo, ref_logp=ref)
+            # Weight micro-batches so the step equals one loss over the whole batch.
+            weight = (int(mask.sum()) / max(total_tokens, 1)
+                      if self.grpo.loss_norm == "token" else len(chunk) / len(samples))
+            (loss * weight).backward()  # type: ignore[no-untyped-call]
+            for k, v in m.items():
+                if k != "tokens":
+                    sums[k] = sums.get(k, 0.0) + float(v) * weight
+
+        if not share_prompts:  # every prompt + completion in full: the reference path
+            for i in range(0, len(samples), self.micro_batch):
+                chunk = samples[i:i + self.micro_batch]
+                b = _batch(chunk, self.pad_id)
+                logp = self._logps(b, chunk[0].temperature)
+                ref = None
+                if self.grpo.kl_coef > 0:
+                    with torch.no_grad(), self.model.disable_adapter():
+                        ref = self._logps(b, chunk[0].temperature)
+                add(logp, ref, b["old"], b["mask"], chunk)
+            return sums
+        sets = by_prompt([(s.prompt_ids, s.temperature) for s in samples])
+        prompts = [samples[ix[0]].prompt_ids for ix in sets]
+        n = shared_prefix_len(prompts)
+        root = self._encode(prompts[0][:n], None) if n else None
+        for ix in sets:
+            self._prompt_group([samples[i] for i in ix], root, add)
+        if root is not None:
+            backward_prompt(root[0])
+        return sums
+
+    def _encode(self, ids: Sequence[int], parent: _Pair | None) -> _Pair:
+        """`ids` encoded with the adapter (grad) and, for the KL, without (no grad)."""
+        policy = encode_prompt(self.model, ids, None if parent is None else parent[0])
+        if self.grpo.kl_coef == 0:
+            return policy, None
+        with torch.no_grad(), self.model.disable_adapter():
+            return policy, encode_prompt(self.model, ids,
+                                         None if parent is None else parent[1])
+
+    def _prompt_group(self, group: Sequence[Sample], root: _Pair | None, add: _Add) -> None:
+        """Every sample of `group` (one prompt, one temperature) through `add`, prompt once."""
+        temperature = group[0].temperature
+        policy, ref_prompt = self._encode(
+            group[0].prompt_ids[0 if root is None else root[0].length:], root)
+        for i in range(0, len(group), self.micro_batch):
+            chunk = group[i:i + self.micro_batch]
+            completions = [s.completion_ids for s in chunk]
+            logp = completion_logps(self.model, policy, completions, self.pad_id, temperature)
+            ref = None
+            if ref_prompt is not None:
+                with torch.no_grad(), self.model.disable_adapter():
+                    ref = completion_logps(self.model, ref_prompt, completions, self.pad_id,
+                                           temperature)
+            old, mask = pad_batch([s.old_logprobs[:len(s.completion_ids)] for s in chunk])
+            add(logp, ref, old, mask, chunk)
+        backward_prompt(policy)
 
     def sft_step(self, demos: Sequence[Demonstration], *,
                  lr: float | None = None) -> dict[str, float]:
@@ -180,7 +258,8 @@ class LoRATrainer:
                 g["lr"] = lr
         try:
             metrics = sft_step(self.model, self.optimizer, examples, pad_id=self.pad_id,
-                               micro_batch=self.micro_batch, grad_clip=self.grad_clip)
+                               micro_batch=self.micro_batch, grad_clip=self.grad_clip,
+                               share_prefix=True)
         finally:
             for g, old in zip(self.optimizer.param_groups, saved, strict=True):
                 g["lr"] = old

@@ -21,6 +21,12 @@ import torch.nn.functional as F
 
 from flywheel.mining.demos import Demonstration
 from flywheel.policy.local import chat_prompt_ids
+from flywheel.trainer.prefix import (
+    backward_prompt,
+    completion_scores,
+    encode_prompt,
+    shared_prefix_len,
+)
 
 IGNORE = -100
 """Label of a token that carries no loss (PyTorch's cross-entropy `ignore_index`)."""
@@ -90,21 +96,18 @@ def completion_loss(model: Any, batch: dict[str, torch.Tensor]
 
 
 def sft_step(model: Any, optimizer: torch.optim.Optimizer, examples: Sequence[SFTExample], *,
-             pad_id: int, micro_batch: int = 4, grad_clip: float = 1.0) -> dict[str, float]:
+             pad_id: int, micro_batch: int = 4, grad_clip: float = 1.0,
+             share_prefix: bool = False) -> dict[str, float]:
     """One optimizer step of mean per-token cross-entropy over every target of `examples`.
 
     Micro-batches are weighted by their share of targets, so the step equals one loss over
-    the whole batch whatever `micro_batch` is.
+    the whole batch whatever `micro_batch` is. `share_prefix`: see `sft_backward`.
     """
     started = time.perf_counter()
     model.train()
     total = sum(e.target_len for e in examples)
-    loss_sum, correct = 0.0, 0
-    for i in range(0, len(examples), micro_batch):
-        loss, _n, right = completion_loss(model, collate(examples[i:i + micro_batch], pad_id))
-        (loss / max(total, 1)).backward()  # type: ignore[no-untyped-call]
-        loss_sum += float(loss.detach())
-        correct += right
+    loss_sum, correct = sft_backward(model, examples, pad_id=pad_id, micro_batch=micro_batch,
+                                     share_prefix=share_prefix)
     params = [p for p in model.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     optimizer.step()
@@ -113,3 +116,36 @@ def sft_step(model: Any, optimizer: torch.optim.Optimizer, examples: Sequence[SF
     return {"loss": loss_sum / max(total, 1), "token_accuracy": correct / max(total, 1),
             "samples": float(len(examples)), "tokens": float(total),
             "grad_norm": float(grad_norm), "step_s": elapsed, "tokens_per_s": total / elapsed}
+
+
+def sft_backward(model: Any, examples: Sequence[SFTExample], *, pad_id: int,
+                 micro_batch: int = 4, share_prefix: bool = False) -> tuple[float, int]:
+    """Accumulate the gradient of the mean cross-entropy → (summed loss, argmax hits).
+
+    `share_prefix` (a transformers model): the prompt tokens all examples start with (the
+    instructions and tool list) run once (`flywheel.trainer.prefix`), and a micro-batch is
+    the rest of `micro_batch` examples on top of their cached keys/values.
+    """
+    total = max(sum(e.target_len for e in examples), 1)
+    loss_sum, correct = 0.0, 0
+    n = shared_prefix_len([e.input_ids[:len(e.input_ids) - e.target_len] for e in examples]
+                          ) if share_prefix else 0
+    root = encode_prompt(model, examples[0].input_ids[:n]) if n else None
+    for i in range(0, len(examples), micro_batch):
+        chunk = examples[i:i + micro_batch]
+        if root is None:
+            loss, _n, right = completion_loss(model, collate(chunk, pad_id))
+        else:
+            logp, hits = completion_scores(model, root, [e.input_ids[n:] for e in chunk],
+                                           pad_id, 1.0, hits=True)               # [b, S]
+            mask = torch.zeros_like(logp, dtype=torch.bool)
+            for j, e in enumerate(chunk):
+                mask[j, :len(e.labels) - n] = torch.tensor(e.labels[n:]) != IGNORE
+            loss = -torch.where(mask, logp, torch.zeros_like(logp)).sum()
+            right = int((mask & hits).sum()) if hits is not None else 0
+        (loss / total).backward()  # type: ignore[no-untyped-call]
+        loss_sum += float(loss.detach())
+        correct += right
+    if root is not None:
+        backward_prompt(root)
+    return loss_sum, correct
