@@ -17,7 +17,6 @@ is committed; a redelivered `AdapterTrained` finds the version decided and does 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
@@ -33,7 +32,7 @@ from flywheel.gate.lifecycle import LifecycleError
 from flywheel.gate.service import GateService, describe
 from flywheel.policy.factory import make_policy
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
-from flywheel.runtime.service import run_faststream
+from flywheel.runtime.service import cancel_all, run_faststream
 
 log = logging.getLogger("flywheel.gate")
 RETRY_BACKOFF_S = 5.0
@@ -105,10 +104,7 @@ def build_app(settings: Settings) -> FastStream:
 
     @app.after_shutdown
     async def _close() -> None:
-        for t in tasks:
-            t.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_all(tasks)
         await policy.close()
         await engine.dispose()
 

@@ -29,7 +29,7 @@ from faststream.message import StreamMessage
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
-from flywheel.runtime.service import run_faststream
+from flywheel.runtime.service import cancel_all, run_faststream
 from flywheel.trainer.service import TrainerService
 
 log = logging.getLogger("flywheel.trainer")
@@ -80,10 +80,7 @@ def build_app(settings: Settings) -> FastStream:
 
     @app.after_shutdown
     async def _close() -> None:
-        for t in tasks:
-            t.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_all(tasks)
         service.status.state = "stopped"
         with contextlib.suppress(Exception):
             await service.heartbeat()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from flywheel.config import GateSettings
 from flywheel.events import GateCheck, GateMetrics
 
 
@@ -47,19 +48,9 @@ class EvalRun:
                    not_run=data["not_run"])
 
 
-@dataclass(frozen=True)
-class Rule:
-    min_gain: float = 0.05
-    alpha: float = 0.05
-    test: Literal["bootstrap", "mcnemar"] = "bootstrap"
-    bootstrap_resamples: int = 4000
-    invalid_tolerance: float = 0.05
-    unsafe_tolerance: float = 0.0
-    reward_tolerance: float = 0.02
-    latency_p95_ratio: float = 2.0
-    tokens_ratio: float = 1.5
-    group_tolerance: float = 0.10
-    group_min_samples: int = 8
+Rule = GateSettings
+"""The decision rule's thresholds are the gate settings (`min_gain`, `alpha`, `test`, the
+tolerances): one definition, documented in `flywheel.config`."""
 
 
 @dataclass(frozen=True)
@@ -191,9 +182,13 @@ def decide(cand: EvalRun, base: EvalRun, rule: Rule) -> Decision:
     else:
         reasons = [f"promote: {checks[1].detail}; {checks[2].detail}; no guard metric or task "
                    "group regressed beyond its tolerance"]
-    thresholds = {k: float(v) for k, v in asdict(rule).items() if isinstance(v, int | float)}
+    thresholds = {k: float(getattr(rule, k)) for k in _THRESHOLDS}
     return Decision("reject" if failed else "promote", mc, mb, rule.test, statistic, p,
                     checks, reasons, thresholds)
+
+
+_THRESHOLDS = ("min_gain", "alpha", "invalid_tolerance", "unsafe_tolerance", "reward_tolerance",
+               "latency_p95_ratio", "tokens_ratio", "group_tolerance", "group_min_samples")
 
 
 def _upper(name: str, value: float, limit: float, before: float, label: str) -> GateCheck:

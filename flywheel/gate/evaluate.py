@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from flywheel.config import Settings
 from flywheel.environments import load_environment
 from flywheel.events import ScoredRollout
-from flywheel.gate.decision import Attempt, EvalRun, Rule
+from flywheel.gate.decision import Attempt, EvalRun
 from flywheel.policy.base import AdapterRef, Policy
 from flywheel.rollout.loop import GroupConfig, run_group
 from flywheel.tasks import TaskSpec, ToolCallSpec
@@ -34,16 +34,6 @@ class NoEvalSet(RuntimeError):
 class Holdout:
     eval_set_version: int
     tasks: list[TaskSpec]
-
-
-def rule_of(settings: Settings) -> Rule:
-    g = settings.gate
-    return Rule(min_gain=g.min_gain, alpha=g.alpha, test=g.test,
-                bootstrap_resamples=g.bootstrap_resamples,
-                invalid_tolerance=g.invalid_tolerance, unsafe_tolerance=g.unsafe_tolerance,
-                reward_tolerance=g.reward_tolerance, latency_p95_ratio=g.latency_p95_ratio,
-                tokens_ratio=g.tokens_ratio, group_tolerance=g.group_tolerance,
-                group_min_samples=g.group_min_samples)
 
 
 async def load_holdout(conn: AsyncConnection, max_tasks: int | None = None,

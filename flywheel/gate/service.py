@@ -23,7 +23,6 @@ from flywheel.gate.evaluate import (
     cached_run,
     evaluate,
     load_holdout,
-    rule_of,
     run_key,
     store_run,
 )
@@ -140,7 +139,7 @@ def decision_payload(settings: Settings, version: int, production: int | None,
                      eval_set_version: int, candidate: EvalRun, baseline: EvalRun
                      ) -> AdapterEvaluatedPayload:
     """The decision record of `candidate` against `baseline` under the configured rule."""
-    d = decide(candidate, baseline, rule_of(settings))
+    d = decide(candidate, baseline, settings.gate)
     return AdapterEvaluatedPayload(
         evaluation_id=uuid.uuid4(), policy=settings.rollout.policy, version=version,
         baseline_version=production, eval_set_version=eval_set_version,

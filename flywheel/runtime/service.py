@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -32,6 +33,14 @@ def run_loop(loop_fn: Callable[[Settings, asyncio.Event], Awaitable[None]]) -> N
         await loop_fn(Settings(), stop)
 
     asyncio.run(runner())
+
+
+async def cancel_all(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel a service's background tasks and wait until each has stopped."""
+    for t in tasks:
+        t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
 
 
 async def pause(stop: asyncio.Event, seconds: float) -> None:

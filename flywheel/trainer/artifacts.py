@@ -129,6 +129,18 @@ class ArtifactStore(Protocol):
         ...
 
 
+def retain_versions(store: ArtifactStore, policy: str, keep_latest: int,
+                    protected: set[int]) -> list[int]:
+    """Discard versions older than the newest `keep_latest`, except `protected` ones; the
+    retention rule every store shares. Returns the discarded versions."""
+    if keep_latest < 1:
+        raise ValueError(f"keep_latest must be at least 1 (got {keep_latest}): the newest "
+                         "version is the trainer's resume point")
+    published = store.versions(policy)
+    keep = set(published[-keep_latest:]) | set(protected)
+    return [v for v in published if v not in keep and store.discard(policy, v)]
+
+
 def artifact_store(settings: Settings) -> ArtifactStore:
     """The configured store: a local directory unless `artifacts.backend` is `s3`."""
     if settings.artifacts.backend == "s3":

@@ -46,6 +46,7 @@ from flywheel.trainer.artifacts import (
     exists_error,
     fsync_dir,
     new_manifest,
+    retain_versions,
     source_files,
     verify_dir,
     write_durable,
@@ -149,12 +150,7 @@ class AdapterStore:
     def retain(self, policy: str, keep_latest: int, protected: set[int]) -> list[int]:
         """Delete versions older than the newest `keep_latest`, except `protected` ones
         (production, baseline, versions rollouts still use); returns the deleted versions."""
-        if keep_latest < 1:
-            raise ValueError(f"keep_latest must be at least 1 (got {keep_latest}): the newest "
-                             "version is the trainer's resume point")
-        published = self.versions(policy)
-        keep = set(published[-keep_latest:]) | set(protected)
-        return [v for v in published if v not in keep and self.discard(policy, v)]
+        return retain_versions(self, policy, keep_latest, protected)
 
     def discard(self, policy: str, version: int) -> bool:
         """Delete one version whatever retention says; False if it was not there (e.g. a
