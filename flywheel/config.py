@@ -113,6 +113,9 @@ class TrainerSettings(BaseModel):
     """AdamW learning rate of the LoRA parameters."""
     grad_clip: float = 1.0
     """Gradient-norm clip."""
+    device: str = "auto"
+    """Torch device of the trainer: `auto` = the first GPU when there is one, else the CPU;
+    or e.g. `cpu`, `cuda:1`."""
     micro_batch: int = 4
     """Completions of one prompt per forward/backward (memory bound); each prompt runs once
     per step and the step is over the whole batch."""

@@ -108,8 +108,12 @@ _Pair = tuple[EncodedPrompt, EncodedPrompt | None]
 class LoRATrainer:
     def __init__(self, model_dir: Path, *, lora: LoRASpec, grpo: GRPOConfig, lr: float,
                  grad_clip: float = 1.0, micro_batch: int = 4,
-                 resume_from: Path | None = None) -> None:
+                 resume_from: Path | None = None, device: str = "auto") -> None:
+        # One GPU when there is one (`auto`); the LoRA parameters and the loss stay fp32.
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        base.to(self.device)  # type: ignore[arg-type]  # transformers types .to() narrowly
         self.pad_id = int(base.config.pad_token_id or base.config.eos_token_id or 0)
         self.model: Any
         if resume_from is not None:
@@ -125,13 +129,15 @@ class LoRATrainer:
         self.model_dir = model_dir
         self._tokenizer: Any = None
         if resume_from is not None and (resume_from / STATE_FILE).exists():
-            state = torch.load(resume_from / STATE_FILE, weights_only=True)
+            state = torch.load(resume_from / STATE_FILE, weights_only=True,
+                               map_location=self.device)
             self.optimizer.load_state_dict(state["optimizer"])
             self.steps = int(state["steps"])
 
     def _logps(self, b: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
         """Log-probs of the completion tokens, [b, K] (K = longest completion)."""
         keep = int(b["keep"])
+        b = {k: v.to(self.device) for k, v in b.items()}
         position_ids = (b["attn"].cumsum(-1) - 1).clamp(min=0)
         logits = self.model(input_ids=b["ids"], attention_mask=b["attn"],
                             position_ids=position_ids, logits_to_keep=keep + 1).logits
@@ -176,11 +182,12 @@ class LoRATrainer:
         def add(logp: torch.Tensor, ref: torch.Tensor | None, old: torch.Tensor,
                 mask: torch.Tensor, chunk: Sequence[Sample]) -> None:
             # Padding columns never reach the loss, not even as NaN × 0.
+            mask = mask.to(logp.device)
             logp = torch.where(mask, logp, torch.zeros_like(logp))
             if ref is not None:
                 ref = torch.where(mask, ref, torch.zeros_like(ref))
             adv = torch.tensor([s.advantage for s in chunk], device=logp.device)
-            loss, m = grpo_loss(logp, old.to(logp.device), adv, mask.to(logp.device),
+            loss, m = grpo_loss(logp, old.to(logp.device), adv, mask,
                                 self.grpo, ref_logp=ref)
             # Weight micro-batches so the step equals one loss over the whole batch.
             weight = (int(mask.sum()) / max(total_tokens, 1)

@@ -114,7 +114,7 @@ class TrainerService:
         self.trainer = await asyncio.to_thread(
             LoRATrainer, self.model_dir, lora=LoRASpec(r=t.lora_r, alpha=t.lora_alpha),
             grpo=grpo_config(self.settings), lr=t.lr, grad_clip=t.grad_clip,
-            micro_batch=t.micro_batch, resume_from=resume)
+            micro_batch=t.micro_batch, resume_from=resume, device=t.device)
         if self.version is None and self.settings.trainer.stages == "sft_then_grpo":
             await self.warm_start()
         self.status.state, self.status.detail = "waiting", None
