@@ -24,7 +24,12 @@ from flywheel.config import Settings
 from flywheel.db.engine import make_engine
 from flywheel.events import RolloutRequested, parse_event
 from flywheel.policy.factory import make_policy
-from flywheel.rollout.service import fail_request, handle_request, worker_name
+from flywheel.rollout.service import (
+    AdapterResolver,
+    fail_request,
+    handle_request,
+    worker_name,
+)
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
 from flywheel.runtime.service import run_faststream
 
@@ -41,6 +46,7 @@ def build_app(settings: Settings) -> FastStream:
     engine = make_engine(resolve_db_url(settings), pool_size=2)
     policy = make_policy(settings)
     worker = worker_name()
+    adapters = AdapterResolver(engine, settings)
 
     @broker.subscriber(
         settings.topics.rollout_requests,
@@ -59,7 +65,8 @@ def build_app(settings: Settings) -> FastStream:
             return
         try:
             outcome = await handle_request(event.payload, engine=engine, policy=policy,
-                                           settings=settings, worker=worker)
+                                           settings=settings, worker=worker,
+                                           adapters=adapters)
         except (LookupError, ValueError) as err:
             # Permanent (unknown adapter or environment, bad task): fail it, move on.
             log.error("rollout request %s failed: %s", event.payload.request_id, err)

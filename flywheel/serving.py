@@ -25,8 +25,7 @@ from flywheel.config import Settings
 from flywheel.events import ServingSwitched, ServingSwitchedPayload
 from flywheel.gate import lifecycle
 from flywheel.policy.base import AdapterRef, Policy, SamplingParams
-from flywheel.rollout.service import resolve_adapter
-from flywheel.trainer.artifacts import artifact_store
+from flywheel.rollout.service import AdapterResolver
 
 log = logging.getLogger("flywheel.serving")
 ALIASES = ("production",)
@@ -48,6 +47,7 @@ class ServingSync:
         self.settings, self.engine = settings, engine
         self.name = settings.rollout.policy
         self._policy = policy
+        self.adapters = AdapterResolver(engine, settings)
         self.current: Target | None = None
         self._lock = asyncio.Lock()
 
@@ -76,8 +76,7 @@ class ServingSync:
                 return False
             if self.current is not None and self.current.version == row.version:
                 return False
-            adapter = await resolve_adapter(self.engine, self.name, row.version,
-                                            artifact_store(self.settings))
+            adapter = await self.adapters(row.version)
             if adapter is not None:
                 # Every replica loads and verifies it before the alias moves.
                 await self.policy().ensure_adapter(adapter)
@@ -127,8 +126,7 @@ class ServingSync:
         prefix = f"{self.name}@v"
         if model.startswith(prefix) and model[len(prefix):].isdigit():
             version = int(model[len(prefix):])
-            adapter = await resolve_adapter(self.engine, self.name, version,
-                                            artifact_store(self.settings))
+            adapter = await self.adapters(version)
             if adapter is not None:
                 await self.policy().ensure_adapter(adapter)
             return Target(version, adapter)

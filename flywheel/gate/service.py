@@ -27,8 +27,7 @@ from flywheel.gate.evaluate import (
     store_run,
 )
 from flywheel.policy.base import Policy
-from flywheel.rollout.service import resolve_adapter
-from flywheel.trainer.artifacts import artifact_store
+from flywheel.rollout.service import AdapterResolver
 
 log = logging.getLogger("flywheel.gate")
 
@@ -37,6 +36,7 @@ class GateService:
     def __init__(self, settings: Settings, engine: AsyncEngine, policy: Policy) -> None:
         self.settings, self.engine, self.policy = settings, engine, policy
         self.name = settings.rollout.policy
+        self.adapters = AdapterResolver(engine, settings)
 
     async def run_for(self, version: int | None, holdout: Holdout) -> EvalRun:
         """The holdout run of `version` (None = base model), from the cache or sampled."""
@@ -45,8 +45,7 @@ class GateService:
             cached = await cached_run(conn, key)
         if cached is not None:
             return cached
-        adapter = await resolve_adapter(self.engine, self.name, version,
-                                        artifact_store(self.settings))
+        adapter = await self.adapters(version)
         if adapter is not None:
             await self.policy.ensure_adapter(adapter)
         label = f"v{version}" if version is not None else "the base model"

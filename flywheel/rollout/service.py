@@ -6,7 +6,6 @@ import asyncio
 import logging
 import uuid
 import zlib
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import text
@@ -19,7 +18,7 @@ from flywheel.mining.store import HoldoutRefused, training_tasks
 from flywheel.policy.base import AdapterRef, Policy
 from flywheel.rollout import store
 from flywheel.rollout.loop import GroupConfig, GroupOutcome, run_group
-from flywheel.trainer.artifacts import ArtifactStore, artifact_store
+from flywheel.trainer.artifacts import artifact_store
 
 log = logging.getLogger("flywheel.rollout")
 
@@ -31,22 +30,29 @@ def group_config(settings: Settings) -> GroupConfig:
                        rollout_timeout_s=r.rollout_timeout_s, min_scored=r.min_scored)
 
 
-async def resolve_adapter(engine: AsyncEngine, policy: str, version: int | None,
-                          store: ArtifactStore | None = None) -> AdapterRef | None:
-    """The registered version; with `store`, its artifact is fetched (S3) and every checksum
-    verified first, so a tampered or truncated adapter is refused (`CorruptAdapter`)."""
-    if version is None:
-        return None
-    async with engine.connect() as conn:
-        path = (await conn.execute(text(
-            "SELECT path FROM adapter_versions WHERE policy = :p AND version = :v"),
-            {"p": policy, "v": version})).scalar()
-    if path is None:
-        raise LookupError(f"adapter {policy}@v{version} is not registered")
-    if store is not None:
-        ref, _ = await asyncio.to_thread(store.load, policy, version)
-        return ref
-    return AdapterRef(policy, version, Path(path))
+class AdapterResolver:
+    """Registered adapter versions of the policy, fetched from the artifact store (S3) and
+    checksum-verified once per process: versions are immutable, so a verified reference
+    stays valid, and a tampered or truncated artifact is refused (`CorruptAdapter`)."""
+
+    def __init__(self, engine: AsyncEngine, settings: Settings) -> None:
+        self.engine, self.policy = engine, settings.rollout.policy
+        self.store = artifact_store(settings)
+        self._verified: dict[int, AdapterRef] = {}
+
+    async def __call__(self, version: int | None) -> AdapterRef | None:
+        if version is None:
+            return None
+        if version not in self._verified:
+            async with self.engine.connect() as conn:
+                registered = (await conn.execute(text(
+                    "SELECT 1 FROM adapter_versions WHERE policy = :p AND version = :v"),
+                    {"p": self.policy, "v": version})).scalar()
+            if registered is None:
+                raise LookupError(f"adapter {self.policy}@v{version} is not registered")
+            ref, _ = await asyncio.to_thread(self.store.load, self.policy, version)
+            self._verified[version] = ref
+        return self._verified[version]
 
 
 async def wait_for_admission(engine: AsyncEngine, settings: Settings,
@@ -63,7 +69,8 @@ async def wait_for_admission(engine: AsyncEngine, settings: Settings,
 
 
 async def handle_request(req: RolloutRequestedPayload, *, engine: AsyncEngine, policy: Policy,
-                         settings: Settings, worker: str) -> GroupOutcome | None:
+                         settings: Settings, worker: str, adapters: AdapterResolver
+                         ) -> GroupOutcome | None:
     """Sample and record the group for `req`; None when there is nothing to do."""
     group_id = req.request_id
     async with engine.begin() as conn:
@@ -81,8 +88,7 @@ async def handle_request(req: RolloutRequestedPayload, *, engine: AsyncEngine, p
     waited = await wait_for_admission(engine, settings)
     if waited:
         log.info("admission: waited %.0fs for the trainer to drain the backlog", waited)
-    adapter = await resolve_adapter(engine, settings.rollout.policy, req.adapter_version,
-                                    artifact_store(settings))
+    adapter = await adapters(req.adapter_version)
     if adapter is not None:
         await policy.ensure_adapter(adapter)
     cfg = group_config(settings)
