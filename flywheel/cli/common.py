@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from typing import Annotated, Any, NoReturn
 
@@ -41,6 +42,14 @@ def _db_call(fn: Any) -> Any:
         return asyncio.run(go())
     except StackNotRunning as exc:
         _fail(str(exc))
+
+
+def print_result(result: dict[str, Any], as_json: bool) -> None:
+    """A command's result: one JSON line for scripts (`--json`), else pretty JSON."""
+    if as_json:
+        print(json.dumps(result, sort_keys=True, default=str))
+    else:
+        console.print_json(json.dumps(result, default=str))
 
 
 def uuid_arg(value: str) -> uuid.UUID:

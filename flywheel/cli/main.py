@@ -23,7 +23,15 @@ app.add_typer(evalset_app, name="evalset")
 verify_app = typer.Typer(no_args_is_help=True, help="Run verifiers on outputs; profile rewards.")
 app.add_typer(verify_app, name="verify")
 from flywheel.cli.baseline import baseline  # noqa: E402
-from flywheel.cli.common import JsonOpt, _db_call, _fail, _settings, console, uuid_arg  # noqa: E402
+from flywheel.cli.common import (  # noqa: E402
+    JsonOpt,
+    _db_call,
+    _fail,
+    _settings,
+    console,
+    print_result,
+    uuid_arg,
+)
 from flywheel.cli.review import adapters_app, promotions_app, replay  # noqa: E402
 
 app.add_typer(promotions_app, name="promotions")
@@ -157,11 +165,7 @@ def bench_ingest(
     from flywheel.bench.ingest import run_bench
 
     result = run_bench(n, workers=workers, progress=not as_json)
-    if as_json:
-        print(json.dumps(result, sort_keys=True))
-    else:
-        for k, v in result.items():
-            console.print(f"{k:>22}: {v}")
+    print_result(result, as_json)
 
 
 @app.command()
@@ -288,11 +292,7 @@ def bench_rollout(
     from flywheel.bench.rollout import run_bench
 
     result = run_bench(groups, group_size=group_size, max_tokens=max_tokens)
-    if as_json:
-        print(json.dumps(result, sort_keys=True))
-    else:
-        for k, v in result.items():
-            console.print(f"{k:>26}: {v}")
+    print_result(result, as_json)
 
 
 @bench_app.command("learning")
@@ -306,10 +306,7 @@ def bench_learning(
     from flywheel.bench.learning import run_learning
 
     result = run_learning(steps, tasks=tasks, lr=lr)
-    if as_json:
-        print(json.dumps(result, sort_keys=True))
-    else:
-        console.print_json(json.dumps(result))
+    print_result(result, as_json)
 
 
 @bench_app.command("trainer")
@@ -333,10 +330,7 @@ def bench_trainer(
     result = run_trainer_bench(steps, batch=batch, group_size=group_size,
                                max_tokens=max_tokens, staleness=staleness,
                                sequential=sequential, trl=trl)
-    if as_json:
-        print(json.dumps(result, sort_keys=True))
-    else:
-        console.print_json(json.dumps(result))
+    print_result(result, as_json)
 
 
 @app.command()
