@@ -12,6 +12,10 @@ demonstrations (successes and corrected failures, never holdout) as version 1.
 Batches B groups per step; drops groups sampled more than `max_staleness` versions ago
 (recorded and counted); publishes a version every `publish_every` steps; commits offsets
 only once their groups' effect is durable. Reports `starved`/`stalled` instead of hanging.
+
+Several GPUs: `torchrun --standalone --nproc_per_node=N -m consumers.trainer`. Rank 0 is
+this service; the other ranks follow it and share every step (data parallel, see
+`flywheel.trainer.distributed`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import time
 from typing import Any
 
 from faststream import AckPolicy, FastStream
@@ -29,7 +35,7 @@ from faststream.message import StreamMessage
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
-from flywheel.runtime.service import cancel_all, run_faststream
+from flywheel.runtime.service import LOG_FORMAT, cancel_all, run_faststream
 from flywheel.trainer.service import TrainerService
 
 log = logging.getLogger("flywheel.trainer")
@@ -40,10 +46,11 @@ async def _raw_batch(msg: StreamMessage[Any]) -> Any:
     return msg.raw_message
 
 
-def build_app(settings: Settings) -> FastStream:
+def build_app(settings: Settings, ranks: Any = None) -> FastStream:
+    """`ranks`: this process is rank 0 of a torchrun job (`flywheel.trainer.distributed`)."""
     broker = KafkaBroker(resolve_bootstrap(settings), logger=log)
     engine = make_engine(resolve_db_url(settings), pool_size=2)
-    service = TrainerService(settings, engine)
+    service = TrainerService(settings, engine, ranks)
     tasks: list[asyncio.Task[None]] = []
 
     @broker.subscriber(
@@ -66,11 +73,15 @@ def build_app(settings: Settings) -> FastStream:
     @app.on_startup
     async def _load() -> None:
         async def beat() -> None:
+            pinged = time.monotonic()
             while True:
                 try:
                     await service.heartbeat()
                 except Exception as err:  # a missed heartbeat must not stop training
                     log.warning("heartbeat failed: %s", err)
+                if time.monotonic() - pinged > settings.trainer.dist_timeout_s / 6:
+                    pinged = time.monotonic()
+                    await asyncio.to_thread(service.keepalive)
                 await asyncio.sleep(HEARTBEAT_S)
 
         # The heartbeat runs from the start: loading, the baseline wait and the SFT warm
@@ -81,6 +92,7 @@ def build_app(settings: Settings) -> FastStream:
     @app.after_shutdown
     async def _close() -> None:
         await cancel_all(tasks)
+        await asyncio.to_thread(service.stop_followers)
         service.status.state = "stopped"
         with contextlib.suppress(Exception):
             await service.heartbeat()
@@ -90,7 +102,23 @@ def build_app(settings: Settings) -> FastStream:
 
 
 def main() -> None:
-    run_faststream(build_app)
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        run_faststream(build_app)
+        return
+    from flywheel.trainer import distributed
+
+    settings = Settings()
+    rank = int(os.environ["RANK"])
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank {rank}] %(name)s "
+                        "%(message)s" if rank else LOG_FORMAT)
+    ranks = distributed.init(settings.trainer.device, settings.trainer.dist_timeout_s)
+    try:
+        if ranks.rank == 0:
+            run_faststream(lambda s: build_app(s, ranks))
+        else:
+            distributed.follow(ranks)
+    finally:
+        distributed.close()
 
 
 if __name__ == "__main__":

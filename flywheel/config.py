@@ -116,6 +116,13 @@ class TrainerSettings(BaseModel):
     device: str = "auto"
     """Torch device of the trainer: `auto` = the first GPU when there is one, else the CPU;
     or e.g. `cpu`, `cuda:1`."""
+    ranks: int = Field(default=1, ge=1)
+    """`flywheel up` starts the trainer under torchrun with this many ranks (one per GPU;
+    data parallel, see `flywheel.trainer.distributed`). In a deployment, run torchrun
+    yourself (docs/DEPLOY.md)."""
+    dist_timeout_s: float = Field(default=1800.0, gt=0)
+    """Under torchrun: the process group's timeout for one collective (a step, or an idle
+    follower waiting; rank 0 pings its followers while idle, every sixth of it)."""
     micro_batch: int = 4
     """Completions of one prompt per forward/backward (memory bound); each prompt runs once
     per step and the step is over the whole batch."""

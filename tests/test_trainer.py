@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import pickle
 import signal
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -12,15 +16,17 @@ import asyncpg
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from flywheel.config import Settings
+from flywheel.config import Settings, settings_env
 from flywheel.db.engine import make_engine
 from flywheel.environments import load_environment
 from flywheel.events import GroupScored, GroupScoredPayload
 from flywheel.kafka import ensure_topics
+from flywheel.mining.demos import Demonstration
 from flywheel.mining.store import store_task
 from flywheel.policy.local import LocalPolicy
 from flywheel.policy.model_cache import resolve_model_dir
 from flywheel.rollout.loop import GroupConfig, run_group
+from flywheel.rollout.prompt import TOOL_PREFILL
 from flywheel.samples import TOOLS
 from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
 from flywheel.trainer.store import AdapterStore, CorruptAdapter
@@ -90,9 +96,93 @@ def test_fresh_adapter_is_on_policy_and_a_step_is_finite(
     assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
+def torchrun(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """`torchrun --standalone --nproc_per_node=2 ARGS` on the CPU (gloo), one thread a rank."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc_per_node=2", "--max-restarts=0", *args],
+            env={**os.environ, "OMP_NUM_THREADS": "1", **env}, stdout=out,
+            stderr=subprocess.STDOUT)
+
+
+def _demos() -> list[Demonstration]:
+    return [Demonstration(
+        messages=[{"role": "user", "content": f"What's the weather in {city}?"}],
+        prefill=TOOL_PREFILL, completion=f'get_weather", "arguments": {{"city": "{city}", '
+        '"unit": "c"}}', source_trajectory_id=uuid.uuid4(), fingerprint=city, env="tool_call")
+        for city in ["Oslo", "Lima", "Pune", "Quito"]]
+
+
+def test_torchrun_ranks_take_the_single_process_step(
+        groups: list[tuple[TaskSpec, GroupScoredPayload]], tmp_path: Path) -> None:
+    """Two gloo ranks resume a checkpoint, then SFT + GRPO steps with the batch split between
+    them: the weights, optimizer moments and step count equal one process doing the same."""
+    import torch
+    from safetensors.torch import load_file
+
+    from flywheel.trainer.distributed import balance
+    from flywheel.trainer.engine import LoRASpec, LoRATrainer, samples_from_groups
+    from flywheel.trainer.grpo import GRPOConfig
+    from flywheel.trainer.prefix import by_prompt
+    from tests.dist_trainer_worker import run_ops
+
+    model_dir = resolve_model_dir(None)
+    payloads = [g for _, g in groups]
+    torch.manual_seed(0)
+    ref = LoRATrainer(model_dir, lora=LoRASpec(r=4), grpo=GRPOConfig(), lr=1e-3, micro_batch=2)
+    ref.step(payloads[:2])
+    ref.save(tmp_path / "ck")  # the followers must receive these weights and moments
+    ops = [("sft", _demos()), ("grpo", payloads[2:6])]
+    samples = samples_from_groups(payloads[2:6], ref.grpo)
+    split = balance([1] * len(by_prompt([(s.prompt_ids, s.temperature) for s in samples])), 2)
+    assert all(split), "both ranks must get a share of the GRPO batch"
+    data = tmp_path / "data.pkl"
+    data.write_bytes(pickle.dumps({"model_dir": model_dir, "resume": tmp_path / "ck",
+                                   "ops": ops}))
+    log = tmp_path / "torchrun.log"
+    worker = Path(__file__).with_name("dist_trainer_worker.py")
+    proc = torchrun([str(worker), str(data), str(tmp_path / "out")],
+                    {"PYTHONPATH": str(worker.parent.parent)}, log)
+    assert proc.wait(300) == 0, log.read_text()[-4000:]
+    run_ops(ref, ops)
+    ref.save(tmp_path / "ref")
+
+    got, want = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("out", "ref"))
+    assert got.keys() == want.keys()
+    start = load_file(tmp_path / "ck" / "adapter_model.safetensors")
+    # Summation order differs (each rank's share, then the all-reduce), so equal up to
+    # rounding: within 1% of what the steps moved each tensor (a step computed on a share
+    # alone, or mis-weighted, is off by the order of the move itself).
+    for k in want:
+        moved = float((want[k] - start[k]).abs().max())
+        assert moved > 1e-4, k
+        assert float((got[k] - want[k]).abs().max()) < 0.01 * moved, k
+    got_state, want_state = (torch.load(tmp_path / d / "trainer_state.pt", weights_only=True)
+                             for d in ("out", "ref"))
+    assert got_state["steps"] == want_state["steps"] == 3
+    for i, s in want_state["optimizer"]["state"].items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            diff = (got_state["optimizer"]["state"][i][name] - s[name]).abs().max()
+            assert float(diff) <= 0.01 * float(s[name].abs().max()), (i, name)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _rank_of(pid: int) -> int:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(e for e in env if e.startswith(b"RANK=")).split(b"=", 1)[1])
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one-process", "torchrun-2-ranks"])
 async def test_kill_and_resume_trains_every_group_exactly_once(
         groups: list[tuple[TaskSpec, GroupScoredPayload]], settings: Settings, db_url: str,
-        pg_dsn: str, tmp_path: Path) -> None:
+        pg_dsn: str, tmp_path: Path, ranks: int) -> None:
+    """SIGKILL mid-way (under torchrun: the follower rank; rank 0's next collective fails and
+    it exits, ending the job), restart: every group is trained into exactly one version.
+    Under torchrun, SIGTERM then ends all ranks cleanly."""
     assert settings.kafka.bootstrap
     s = settings.model_copy(update={
         "rollout": settings.rollout.model_copy(update={
@@ -120,17 +210,28 @@ async def test_kill_and_resume_trains_every_group_exactly_once(
     await producer.stop()
 
     log = tmp_path / "trainer.log"
-    proc = spawn("consumers.trainer", s, log)
+
+    def launch() -> subprocess.Popen[bytes]:
+        if ranks == 1:
+            return spawn("consumers.trainer", s, log)
+        return torchrun(["-m", "consumers.trainer"], settings_env(s), log)
+
+    proc = launch()
     try:
         deadline = asyncio.get_running_loop().time() + 300
         while await scalar(pg_dsn, "SELECT count(*) FROM adapter_versions") < 1:
             assert proc.poll() is None and asyncio.get_running_loop().time() < deadline, \
                 log.read_text()[-3000:]
             await asyncio.sleep(0.2)
-        proc.send_signal(signal.SIGKILL)  # mid-way: version 1 out, step 2 under way
-        proc.wait()
+        if ranks == 1:
+            proc.send_signal(signal.SIGKILL)  # mid-way: version 1 out, step 2 under way
+            proc.wait()
+        else:  # the follower dies: the collective breaks and torchrun ends the whole job
+            follower = next(c for c in _children(proc.pid) if _rank_of(c) == 1)
+            os.kill(follower, signal.SIGKILL)
+            assert proc.wait(120) != 0
         assert await scalar(pg_dsn, "SELECT count(*) FROM adapter_versions") < GROUPS // 2
-        proc = spawn("consumers.trainer", s, log)
+        proc = launch()
         while await scalar(pg_dsn, "SELECT count(*) FROM adapter_versions") < GROUPS // 2:
             assert proc.poll() is None and asyncio.get_running_loop().time() < deadline, \
                 log.read_text()[-3000:]
@@ -138,7 +239,13 @@ async def test_kill_and_resume_trains_every_group_exactly_once(
         await asyncio.sleep(3)  # nothing more may be published: every group is used up
     finally:
         proc.terminate()
-        proc.wait(30)
+        proc.wait(60)
+    if ranks == 2:  # torchrun itself exits 1 on SIGTERM; the ranks stop cleanly
+        text_ = log.read_text()
+        assert "data-parallel trainer: 2 ranks" in text_
+        assert "exiting so torchrun restarts the job" in text_  # rank 0 after rank 1 died
+        last = text_[text_.rindex("death signal"):]
+        assert "rank 1: stop after 3 steps" in last and "shut down gracefully" in last, last
     assert await scalar(pg_dsn, "SELECT count(*) FROM adapter_versions") == GROUPS // 2
     store = AdapterStore(tmp_path / "adapters")
     seen: list[str] = []

@@ -60,6 +60,15 @@ def torch_threads(environ: Mapping[str, str], cpus: int | None = None) -> dict[s
     return {"OMP_NUM_THREADS": str(per), "MKL_NUM_THREADS": str(per)}
 
 
+def service_argv(settings: Settings, name: str) -> list[str]:
+    """The command of a service; the trainer under torchrun when `trainer.ranks` > 1."""
+    argv = [sys.executable, "-m", SERVICES[name]]
+    if name == "trainer" and settings.trainer.ranks > 1:
+        argv[2:2] = ["torch.distributed.run", "--standalone",
+                     f"--nproc_per_node={settings.trainer.ranks}", "-m"]
+    return argv
+
+
 def load_or_make_tokens(settings: Settings) -> dict[str, list[Scope]]:
     """Configured tokens, else a `publish` and an `operate` token kept in <home>/tokens.json."""
     if settings.api.tokens:
@@ -134,7 +143,7 @@ class Stack:
 
     def _spawn(self, child: Child) -> None:
         with open(self.logs / f"{child.name}.log", "ab") as out:
-            child.proc = subprocess.Popen([sys.executable, "-m", child.module], env=self.env,
+            child.proc = subprocess.Popen(service_argv(self.settings, child.name), env=self.env,
                                           stdout=out, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL)
         child.last_start = time.monotonic()

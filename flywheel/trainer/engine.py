@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -37,6 +37,9 @@ from flywheel.trainer.prefix import (
     shared_prefix_len,
 )
 from flywheel.trainer.sft import encode_demonstration, end_of_turn_ids, sft_step
+
+if TYPE_CHECKING:
+    from flywheel.trainer.distributed import Ranks
 
 STATE_FILE = "trainer_state.pt"
 
@@ -123,9 +126,12 @@ class LoRATrainer:
                 r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                 target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
         self.grpo, self.grad_clip, self.micro_batch = grpo, grad_clip, micro_batch
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        self.lr = lr
+        self.optimizer = torch.optim.AdamW(self.trainable(), lr=lr, weight_decay=0.0)
         self.steps = 0
+        self.ranks: Ranks | None = None
+        """Set under torchrun (`flywheel.trainer.distributed`): steps run this rank's share
+        of each batch and sum the gradients of all ranks."""
         self.model_dir = model_dir
         self._tokenizer: Any = None
         if resume_from is not None and (resume_from / STATE_FILE).exists():
@@ -133,6 +139,18 @@ class LoRATrainer:
                                map_location=self.device)
             self.optimizer.load_state_dict(state["optimizer"])
             self.steps = int(state["steps"])
+
+    def named_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return [p for _, p in self.named_trainable()]
+
+    def spec(self) -> LoRASpec:
+        """The adapter's shape as loaded (a resumed version keeps its own)."""
+        cfg = self.model.peft_config["default"]
+        return LoRASpec(r=cfg.r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                        target_modules=tuple(sorted(cfg.target_modules)))
 
     def _logps(self, b: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
         """Log-probs of the completion tokens, [b, K] (K = longest completion)."""
@@ -152,9 +170,17 @@ class LoRATrainer:
         total_tokens = sum(len(s.completion_ids) for s in samples)
         metrics: dict[str, float] = {"samples": float(len(samples)),
                                      "tokens": float(total_tokens)}
-        metrics.update(self.backward(samples))
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.requires_grad], self.grad_clip)
+        if self.ranks is None:
+            metrics.update(self.backward(samples))
+        else:  # this rank's whole prompts, weighted by the whole batch; gradients summed
+            sets = by_prompt([(s.prompt_ids, s.temperature) for s in samples])
+            costs = [len(samples[ix[0]].prompt_ids)
+                     + sum(len(samples[i].completion_ids) for i in ix) for ix in sets]
+            mine = [samples[i] for k in self.ranks.share(costs) for i in sets[k]]
+            sums = self.backward(mine, totals=(total_tokens, len(samples)))
+            self.ranks.sum_grads(self.trainable())
+            metrics.update(self.ranks.sum_values(sums))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable(), self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
@@ -164,8 +190,8 @@ class LoRATrainer:
                         "tokens_per_s": total_tokens / max(time.perf_counter() - started, 1e-9)})
         return metrics
 
-    def backward(self, samples: Sequence[Sample], *,
-                 share_prompts: bool = True) -> dict[str, float]:
+    def backward(self, samples: Sequence[Sample], *, share_prompts: bool = True,
+                 totals: tuple[int, int] | None = None) -> dict[str, float]:
         """Accumulate the gradient of one GRPO loss over all of `samples` → its metrics.
 
         Each distinct prompt runs once (`flywheel.trainer.prefix`), continuing the prefix all
@@ -174,10 +200,14 @@ class LoRATrainer:
         then bounded by one micro-batch plus the activations of one prompt and the shared
         prefix, held until their completions are done. With `share_prompts=False` every
         prompt + completion runs in full, `micro_batch` sequences per forward (the old path,
-        the reference for the exactness tests).
+        the reference for the exactness tests). `totals` (tokens, samples) of the whole batch
+        when `samples` is one rank's share of it.
         """
-        total_tokens = sum(len(s.completion_ids) for s in samples)
+        total_tokens, total_samples = totals or (sum(len(s.completion_ids) for s in samples),
+                                                 len(samples))
         sums: dict[str, float] = {}
+        if not samples:
+            return sums
 
         def add(logp: torch.Tensor, ref: torch.Tensor | None, old: torch.Tensor,
                 mask: torch.Tensor, chunk: Sequence[Sample]) -> None:
@@ -191,7 +221,7 @@ class LoRATrainer:
                                 self.grpo, ref_logp=ref)
             # Weight micro-batches so the step equals one loss over the whole batch.
             weight = (int(mask.sum()) / max(total_tokens, 1)
-                      if self.grpo.loss_norm == "token" else len(chunk) / len(samples))
+                      if self.grpo.loss_norm == "token" else len(chunk) / total_samples)
             (loss * weight).backward()  # type: ignore[no-untyped-call]
             for k, v in m.items():
                 if k != "tokens":
@@ -266,7 +296,7 @@ class LoRATrainer:
         try:
             metrics = sft_step(self.model, self.optimizer, examples, pad_id=self.pad_id,
                                micro_batch=self.micro_batch, grad_clip=self.grad_clip,
-                               share_prefix=True)
+                               share_prefix=True, ranks=self.ranks)
         finally:
             for g, old in zip(self.optimizer.param_groups, saved, strict=True):
                 g["lr"] = old
@@ -276,8 +306,7 @@ class LoRATrainer:
     def reset_optimizer(self) -> None:
         """Fresh AdamW moments (after the SFT warm start, before GRPO)."""
         lr = self.optimizer.param_groups[0]["lr"]
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(self.trainable(), lr=lr, weight_decay=0.0)
 
     def save(self, directory: Path) -> None:
         """Adapter weights + optimizer state: everything needed to resume exactly."""

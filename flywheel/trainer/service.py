@@ -76,10 +76,12 @@ def grpo_config(settings: Settings) -> GRPOConfig:
 
 
 class TrainerService:
-    def __init__(self, settings: Settings, engine: AsyncEngine) -> None:
+    def __init__(self, settings: Settings, engine: AsyncEngine, ranks: Any = None) -> None:
+        """`ranks` (`flywheel.trainer.distributed.Ranks`): this is rank 0 of a torchrun job,
+        and every step is shared with the follower ranks."""
         from flywheel.trainer.artifacts import artifact_store
 
-        self.settings, self.engine = settings, engine
+        self.settings, self.engine, self.ranks = settings, engine, ranks
         self.policy = settings.rollout.policy
         self.store = artifact_store(settings)
         self.version: int | None = None
@@ -114,7 +116,13 @@ class TrainerService:
         self.trainer = await asyncio.to_thread(
             LoRATrainer, self.model_dir, lora=LoRASpec(r=t.lora_r, alpha=t.lora_alpha),
             grpo=grpo_config(self.settings), lr=t.lr, grad_clip=t.grad_clip,
-            micro_batch=t.micro_batch, resume_from=resume, device=t.device)
+            micro_batch=t.micro_batch, resume_from=resume,
+            device=t.device if self.ranks is None else str(self.ranks.device))
+        if self.ranks is not None:
+            from flywheel.trainer.distributed import Leader
+
+            # The followers build the same replica and receive these weights and moments.
+            self.trainer = await asyncio.to_thread(Leader, self.trainer, self.ranks)
         if self.version is None and self.settings.trainer.stages == "sft_then_grpo":
             await self.warm_start()
         self.status.state, self.status.detail = "waiting", None
@@ -309,6 +317,23 @@ class TrainerService:
                                           self.settings.trainer.keep_versions, in_use)
         if deleted:
             log.info("retention removed %s@v%s", self.policy, deleted)
+
+    def keepalive(self) -> None:
+        """Under torchrun: an idle trainer still talks to its followers within the process
+        group's timeout (see `flywheel.trainer.distributed`)."""
+        if hasattr(self.trainer, "keepalive"):
+            self.trainer.keepalive()
+
+    def stop_followers(self) -> None:
+        """Under torchrun: the follower ranks leave with rank 0 (ready or not)."""
+        if self.ranks is None:
+            return
+        from flywheel.trainer.distributed import Leader, stop_followers
+
+        if isinstance(self.trainer, Leader):
+            self.trainer.stop()
+        else:
+            stop_followers()
 
     def watch(self) -> tuple[str, str | None]:
         """The state to report: a long step is `stalled`, a long silence is `starved`."""

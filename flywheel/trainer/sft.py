@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,9 @@ from flywheel.trainer.prefix import (
     encode_prompt,
     shared_prefix_len,
 )
+
+if TYPE_CHECKING:
+    from flywheel.trainer.distributed import Ranks
 
 IGNORE = -100
 """Label of a token that carries no loss (PyTorch's cross-entropy `ignore_index`)."""
@@ -97,18 +100,28 @@ def completion_loss(model: Any, batch: dict[str, torch.Tensor]
 
 def sft_step(model: Any, optimizer: torch.optim.Optimizer, examples: Sequence[SFTExample], *,
              pad_id: int, micro_batch: int = 4, grad_clip: float = 1.0,
-             share_prefix: bool = False) -> dict[str, float]:
+             share_prefix: bool = False, ranks: Ranks | None = None) -> dict[str, float]:
     """One optimizer step of mean per-token cross-entropy over every target of `examples`.
 
     Micro-batches are weighted by their share of targets, so the step equals one loss over
-    the whole batch whatever `micro_batch` is. `share_prefix`: see `sft_backward`.
+    the whole batch whatever `micro_batch` is. `share_prefix`: see `sft_backward`. Under
+    torchrun (`ranks`), this rank runs its share of the examples and the gradients of all
+    ranks are summed: the same step.
     """
     started = time.perf_counter()
     model.train()
     total = sum(e.target_len for e in examples)
-    loss_sum, correct = sft_backward(model, examples, pad_id=pad_id, micro_batch=micro_batch,
-                                     share_prefix=share_prefix)
     params = [p for p in model.parameters() if p.requires_grad]
+    if ranks is None:
+        loss_sum, correct = sft_backward(model, examples, pad_id=pad_id,
+                                         micro_batch=micro_batch, share_prefix=share_prefix)
+    else:
+        mine = [examples[i] for i in ranks.share([len(e.input_ids) for e in examples])]
+        loss_sum, correct = sft_backward(model, mine, pad_id=pad_id, micro_batch=micro_batch,
+                                         share_prefix=share_prefix, total=total)
+        ranks.sum_grads(params)
+        summed = ranks.sum_values({"loss": loss_sum, "correct": float(correct)})
+        loss_sum, correct = summed["loss"], int(summed["correct"])
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -119,15 +132,19 @@ def sft_step(model: Any, optimizer: torch.optim.Optimizer, examples: Sequence[SF
 
 
 def sft_backward(model: Any, examples: Sequence[SFTExample], *, pad_id: int,
-                 micro_batch: int = 4, share_prefix: bool = False) -> tuple[float, int]:
+                 micro_batch: int = 4, share_prefix: bool = False,
+                 total: int | None = None) -> tuple[float, int]:
     """Accumulate the gradient of the mean cross-entropy → (summed loss, argmax hits).
 
     `share_prefix` (a transformers model): the prompt tokens all examples start with (the
     instructions and tool list) run once (`flywheel.trainer.prefix`), and a micro-batch is
-    the rest of `micro_batch` examples on top of their cached keys/values.
+    the rest of `micro_batch` examples on top of their cached keys/values. `total`: the
+    targets of the whole batch when `examples` is one rank's share of it.
     """
-    total = max(sum(e.target_len for e in examples), 1)
+    total = max(sum(e.target_len for e in examples) if total is None else total, 1)
     loss_sum, correct = 0.0, 0
+    if not examples:
+        return loss_sum, correct
     n = shared_prefix_len([e.input_ids[:len(e.input_ids) - e.target_len] for e in examples]
                           ) if share_prefix else 0
     root = encode_prompt(model, examples[0].input_ids[:n]) if n else None

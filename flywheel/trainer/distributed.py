@@ -1,0 +1,286 @@
+"""Data-parallel training under `torchrun`: N ranks (one per GPU), one trainer.
+
+Rank 0 is the trainer service: it alone consumes Kafka, reads and writes Postgres, publishes
+versions and commits offsets. Ranks 1..N-1 are followers: each holds a replica of the model
+and optimizer and runs exactly the operations rank 0 sends it, in the same order
+(`Leader` → `follow`):
+
+- `init`: the LoRA shape, optimizer settings and base model of rank 0's trainer (fresh or
+  resumed from a published version); then rank 0's adapter weights, optimizer moments and
+  step count are broadcast to every replica, as DDP broadcasts module state at start.
+- `step` / `sft`: the same batch goes to every rank; each runs the forward/backward of its
+  own share (whole prompts, balanced by tokens, so the shared-prompt reuse of
+  `flywheel.trainer.prefix` still applies), weighted by the *global* token or sample count;
+  the gradients are summed in one flat all-reduce, and every rank clips and steps the same
+  AdamW on the same gradient, so the replicas stay identical and the step equals the
+  single-process step over the whole batch.
+- `check` (before every publication): the replicas' weights are hashed and compared, and a
+  divergence fails the publication loudly instead of publishing one rank's weights.
+- `ping` (while idle) keeps the collectives inside the process-group timeout, and `stop`
+  ends the followers when the service shuts down.
+
+Why not `torch.nn.parallel.DistributedDataParallel`: one step here is many forwards and
+backwards (a shared prefix, each prompt once, its completions on the cached keys/values,
+then the prompt's backward), and the trainable parameters are a few MB of LoRA weights. One
+explicit all-reduce per step after all of them is simpler and exact, where DDP's hooks would
+fire on every partial backward (`no_sync` everywhere but a last backward that need not touch
+every parameter).
+
+One node: every rank reads the base model from rank 0's path. A follower crash or a rank 0
+crash ends the collective; torchrun stops the job, and the restarted job resumes from the
+last published version like a single-process trainer (no group lost or trained twice).
+
+Import this module lazily: it imports torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from flywheel.events import GroupScoredPayload
+    from flywheel.mining.demos import Demonstration
+    from flywheel.trainer.engine import LoRATrainer
+
+log = logging.getLogger("flywheel.trainer")
+T = TypeVar("T")
+
+
+def launched() -> bool:
+    """Started by torchrun with more than one rank."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def rank_device(setting: str, local_rank: int) -> torch.device:
+    """This rank's device: with `auto` or `cuda`, the GPU numbered by the local rank."""
+    if setting == "auto":
+        setting = "cuda" if torch.cuda.is_available() else "cpu"
+    if setting == "cuda":
+        return torch.device("cuda", local_rank)
+    return torch.device(setting)
+
+
+def balance(costs: Sequence[int], size: int) -> list[list[int]]:
+    """Indices of `costs` per rank, so the ranks' summed costs are close (largest first,
+    each onto the least loaded rank). Deterministic: every rank computes the same split."""
+    loads = [0] * size
+    parts: list[list[int]] = [[] for _ in range(size)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(size), key=lambda r: (loads[r], r))
+        parts[r].append(i)
+        loads[r] += costs[i]
+    return [sorted(p) for p in parts]
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The trainer's view of the process group: its share of a batch, summed gradients."""
+
+    rank: int
+    size: int
+    device: torch.device
+
+    def share(self, costs: Sequence[int]) -> list[int]:
+        return balance(costs, self.size)[self.rank]
+
+    def sum_grads(self, params: Sequence[torch.Tensor]) -> None:
+        """Every rank's gradients summed into every rank's `.grad` (one flat all-reduce; a
+        rank whose share touched no parameter contributes zeros)."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def sum_values(self, values: dict[str, float]) -> dict[str, float]:
+        """Per key, the sum over ranks (keys missing on a rank count 0)."""
+        gathered: list[dict[str, float] | None] = [None] * self.size
+        dist.all_gather_object(gathered, values)
+        keys = sorted({k for g in gathered if g for k in g})
+        return {k: sum((g or {}).get(k, 0.0) for g in gathered) for k in keys}
+
+    def check_replicas(self, params: Sequence[torch.Tensor]) -> None:
+        """Raise unless every rank holds bit-identical trainable weights."""
+        digest = hashlib.sha256()
+        for p in params:
+            digest.update(p.detach().float().cpu().numpy().tobytes())
+        gathered: list[str | None] = [None] * self.size
+        dist.all_gather_object(gathered, digest.hexdigest())
+        if len(set(gathered)) != 1:
+            raise RuntimeError(
+                "data-parallel replicas diverged: rank weight digests "
+                f"{[str(g)[:12] for g in gathered]}; refusing to publish (the job restarts "
+                "from the last published version)")
+
+
+def init(device: str, timeout_s: float) -> Ranks:
+    """Join the torchrun process group: NCCL when the ranks use GPUs, else gloo."""
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    dev = rank_device(device, local)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                            timeout=timedelta(seconds=timeout_s))
+    return Ranks(rank, size, dev)
+
+
+def close() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _broadcast(obj: Any = None) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _sync_state(trainer: LoRATrainer, rank: int) -> None:
+    """Rank 0's adapter weights, optimizer moments and step count onto every replica."""
+    with torch.no_grad():
+        for p in trainer.trainable():
+            dist.broadcast(p.data, src=0)
+    state = None
+    if rank == 0:
+        opt = trainer.optimizer.state_dict()
+        state = {"steps": trainer.steps, "optimizer": {
+            "param_groups": opt["param_groups"],
+            "state": {k: {n: t.cpu() if isinstance(t, torch.Tensor) else t
+                          for n, t in s.items()} for k, s in opt["state"].items()}}}
+    state = _broadcast(state)
+    if rank != 0:
+        trainer.optimizer.load_state_dict(state["optimizer"])  # moves moments to the device
+        trainer.steps = int(state["steps"])
+
+
+class Leader:
+    """Rank 0's handle on the trainer (what `TrainerService` calls): each operation is sent
+    to the followers first, then run here; they all run it together."""
+
+    def __init__(self, trainer: LoRATrainer, ranks: Ranks, *,
+                 exit_on_failure: bool = True) -> None:
+        self.trainer, self.ranks, self.exit_on_failure = trainer, ranks, exit_on_failure
+        self._lock = threading.Lock()  # one operation at a time, in one order on all ranks
+        self.broken: BaseException | None = None
+        trainer.ranks = ranks
+        with self._lock:
+            _broadcast(("init", trainer.spec(), trainer.grpo, trainer.lr, trainer.grad_clip,
+                        trainer.micro_batch, str(trainer.model_dir),
+                        [(n, tuple(p.shape)) for n, p in trainer.named_trainable()]))
+            _sync_state(trainer, 0)
+        log.info("data-parallel trainer: %d ranks, %s on rank 0", ranks.size, ranks.device)
+
+    @property
+    def steps(self) -> int:
+        return self.trainer.steps
+
+    def _run(self, cmd: tuple[Any, ...], local: Callable[[], T]) -> T:
+        """Send `cmd`, then run it here. Any failure (a rank died, out of memory, diverged
+        replicas) leaves the ranks out of step for good: rank 0 exits at once (status 70)
+        and torchrun stops the job; restarted, it resumes from the last published version,
+        like a single trainer after a crash (`exit_on_failure=False`: raise instead)."""
+        with self._lock:
+            if self.broken is not None:
+                raise RuntimeError(f"the process group failed earlier: {self.broken}")
+            try:
+                _broadcast(cmd)
+                return local()
+            except Exception as err:
+                self.broken = err
+                if self.exit_on_failure:
+                    log.critical("data-parallel %s failed (%s: %s); exiting so torchrun "
+                                 "restarts the job from the last published version",
+                                 cmd[0], type(err).__name__, err)
+                    logging.shutdown()
+                    os._exit(70)
+                raise
+
+    def step(self, groups: Sequence[GroupScoredPayload]) -> dict[str, float]:
+        metrics = self._run(("step", list(groups)), lambda: self.trainer.step(groups))
+        return {**metrics, "ranks": float(self.ranks.size)}
+
+    def sft_step(self, demos: Sequence[Demonstration], *,
+                 lr: float | None = None) -> dict[str, float]:
+        return self._run(("sft", list(demos), lr), lambda: self.trainer.sft_step(demos, lr=lr))
+
+    def reset_optimizer(self) -> None:
+        self._run(("reset",), self.trainer.reset_optimizer)
+
+    def save(self, directory: Path) -> None:
+        """Every replica must hold the same weights; rank 0's are written."""
+        def check_then_save() -> None:
+            self.ranks.check_replicas(self.trainer.trainable())
+            self.trainer.save(directory)
+
+        self._run(("check",), check_then_save)
+
+    def keepalive(self) -> None:
+        """While idle, a no-op collective (a busy trainer is alive anyway)."""
+        if self.broken is None and self._lock.acquire(blocking=False):
+            self._lock.release()
+            self._run(("ping",), lambda: None)
+
+    def stop(self) -> None:
+        """The followers leave (skipped when the group already failed: nobody listens)."""
+        if self.broken is None:
+            self._run(("stop",), lambda: None)
+
+
+def stop_followers() -> None:
+    """Rank 0 is shutting down: the followers leave (even before `init`)."""
+    _broadcast(("stop",))
+
+
+def follow(ranks: Ranks) -> None:
+    """A follower rank's whole life: build the replica rank 0 describes, then run what it
+    sends until `stop`. SIGTERM/SIGINT are ignored: torchrun forwards them to every rank, and
+    a follower leaves when rank 0 has shut down cleanly and says `stop` (or is killed)."""
+    from flywheel.trainer.engine import LoRATrainer
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    first = _broadcast()
+    if first[0] == "stop":  # rank 0 shut down before its trainer was ready
+        return
+    if first[0] != "init":
+        raise RuntimeError(f"rank {ranks.rank}: expected init from rank 0, got {first[0]!r}")
+    _, spec, grpo, lr, grad_clip, micro_batch, model_dir, shapes = first
+    trainer = LoRATrainer(Path(model_dir), lora=spec, grpo=grpo, lr=lr, grad_clip=grad_clip,
+                          micro_batch=micro_batch, device=str(ranks.device))
+    mine = [(n, tuple(p.shape)) for n, p in trainer.named_trainable()]
+    if mine != shapes:
+        raise RuntimeError(f"rank {ranks.rank}: the replica's LoRA parameters differ from "
+                           "rank 0's")
+    trainer.ranks = ranks
+    _sync_state(trainer, ranks.rank)
+    log.info("rank %d following rank 0 on %s", ranks.rank, ranks.device)
+    while True:
+        cmd = _broadcast()
+        if cmd[0] == "step":
+            trainer.step(cmd[1])
+        elif cmd[0] == "sft":
+            trainer.sft_step(cmd[1], lr=cmd[2])
+        elif cmd[0] == "reset":
+            trainer.reset_optimizer()
+        elif cmd[0] == "check":
+            ranks.check_replicas(trainer.trainable())
+        elif cmd[0] == "stop":
+            log.info("rank %d: stop after %d steps", ranks.rank, trainer.steps)
+            return
+        elif cmd[0] != "ping":
+            raise RuntimeError(f"unknown command from rank 0: {cmd[0]!r}")
