@@ -214,7 +214,9 @@ async def test_kill_and_resume_trains_every_group_exactly_once(
     def launch() -> subprocess.Popen[bytes]:
         if ranks == 1:
             return spawn("consumers.trainer", s, log)
-        return torchrun(["-m", "consumers.trainer"], settings_env(s), log)
+        # A short process-group timeout: idle followers live on rank 0's pings alone.
+        return torchrun(["-m", "consumers.trainer"],
+                        {**settings_env(s), "FLYWHEEL_TRAINER__DIST_TIMEOUT_S": "30"}, log)
 
     proc = launch()
     try:
@@ -236,7 +238,10 @@ async def test_kill_and_resume_trains_every_group_exactly_once(
             assert proc.poll() is None and asyncio.get_running_loop().time() < deadline, \
                 log.read_text()[-3000:]
             await asyncio.sleep(0.2)
-        await asyncio.sleep(3)  # nothing more may be published: every group is used up
+        # Nothing more may be published: every group is used up. Under torchrun, idle for
+        # longer than the process group's timeout: the pings keep the followers in.
+        await asyncio.sleep(3 if ranks == 1 else 36)
+        assert proc.poll() is None, log.read_text()[-3000:]
     finally:
         proc.terminate()
         proc.wait(60)
