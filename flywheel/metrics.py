@@ -41,6 +41,8 @@ TRAINER_STEP_METRICS = {
                   "Gradient norm (before clipping) of the trainer's last step."),
     "clip_frac": ("flywheel_trainer_clip_fraction",
                   "Share of tokens whose importance ratio was clipped in the last step."),
+    "ranks": ("flywheel_trainer_ranks",
+              "Data-parallel ranks of the trainer's last step (torchrun; absent: one)."),
 }
 
 _LIFECYCLE = text("""
