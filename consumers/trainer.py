@@ -77,11 +77,11 @@ def build_app(settings: Settings, ranks: Any = None) -> FastStream:
             while True:
                 try:
                     await service.heartbeat()
+                    if time.monotonic() - pinged > settings.trainer.dist_timeout_s / 6:
+                        pinged = time.monotonic()
+                        await asyncio.to_thread(service.keepalive)
                 except Exception as err:  # a missed heartbeat must not stop training
                     log.warning("heartbeat failed: %s", err)
-                if time.monotonic() - pinged > settings.trainer.dist_timeout_s / 6:
-                    pinged = time.monotonic()
-                    await asyncio.to_thread(service.keepalive)
                 await asyncio.sleep(HEARTBEAT_S)
 
         # The heartbeat runs from the start: loading, the baseline wait and the SFT warm

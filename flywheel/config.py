@@ -115,7 +115,8 @@ class TrainerSettings(BaseModel):
     """Gradient-norm clip."""
     device: str = "auto"
     """Torch device of the trainer: `auto` = the first GPU when there is one, else the CPU;
-    or e.g. `cpu`, `cuda:1`."""
+    or e.g. `cpu`, `cuda:1` (one process; under torchrun `auto`/`cuda` give each rank the GPU
+    of its LOCAL_RANK)."""
     ranks: int = Field(default=1, ge=1)
     """`flywheel up` starts the trainer under torchrun with this many ranks (one per GPU;
     data parallel, see `flywheel.trainer.distributed`). In a deployment, run torchrun

@@ -38,7 +38,7 @@ def main() -> None:
         leader = distributed.Leader(trainer, ranks)
         run_ops(leader, data["ops"])
         leader.save(Path(sys.argv[2]))
-        leader.stop()
+        distributed.stop_followers()
     finally:
         distributed.close()
 

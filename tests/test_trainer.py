@@ -167,6 +167,42 @@ def test_torchrun_ranks_take_the_single_process_step(
             assert float(diff) <= 0.01 * float(s[name].abs().max()), (i, name)
 
 
+async def test_torchrun_trainer_stops_every_rank_while_waiting_for_the_baseline(
+        settings: Settings, tmp_path: Path) -> None:
+    """SIGTERM while rank 0 waits for the gate's baseline (its follower idle): rank 0 shuts
+    down gracefully and its follower leaves on `stop`; nothing is left running."""
+    assert settings.kafka.bootstrap
+    s = settings.model_copy(update={
+        "rollout": settings.rollout.model_copy(update={"model_dir": resolve_model_dir(None)}),
+        "trainer": settings.trainer.model_copy(update={
+            "adapters_dir": tmp_path / "adapters", "lora_r": 4})})
+    await ensure_topics(s.kafka.bootstrap, s.topics.all(), partitions=1)
+    log = tmp_path / "trainer.log"
+    proc = torchrun(["-m", "consumers.trainer"], settings_env(s), log)
+    try:
+        deadline = asyncio.get_running_loop().time() + 120
+        while "waiting for the gate's baseline" not in log.read_text():
+            assert proc.poll() is None and asyncio.get_running_loop().time() < deadline, \
+                log.read_text()[-3000:]
+            await asyncio.sleep(0.2)
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    out = log.read_text()
+    assert "rank 1: stop after 0 steps" in out and "shut down gracefully" in out, out[-3000:]
+    assert not [pid for pid in ranks if _running(pid)]
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 

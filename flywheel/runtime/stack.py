@@ -9,6 +9,7 @@ are ready it writes `<home>/run.json`; on SIGTERM/SIGINT it stops everything it 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -67,6 +68,16 @@ def service_argv(settings: Settings, name: str) -> list[str]:
         argv[2:2] = ["torch.distributed.run", "--standalone",
                      f"--nproc_per_node={settings.trainer.ranks}", "-m"]
     return argv
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc; empty elsewhere)."""
+    try:
+        children = [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
+                    for c in (t / "children").read_text().split()]
+    except OSError:
+        return []
+    return [p for c in children for p in (c, *_descendants(c))]
 
 
 def load_or_make_tokens(settings: Settings) -> dict[str, list[Scope]]:
@@ -208,11 +219,18 @@ class Stack:
                 child.proc.terminate()
         for child in self.children:
             if child.proc is not None:
+                # torchrun gives its ranks 30 s after a SIGTERM before it kills them.
+                torchrun = child.name == "trainer" and self.settings.trainer.ranks > 1
+                grace = 45 if torchrun else 15
                 try:
-                    child.proc.wait(15)
+                    child.proc.wait(grace)
                 except subprocess.TimeoutExpired:
+                    stragglers = _descendants(child.proc.pid)  # torchrun's ranks
                     child.proc.kill()
                     child.proc.wait()
+                    for pid in stragglers:
+                        with contextlib.suppress(OSError):
+                            os.kill(pid, signal.SIGKILL)
         if self.broker:
             self.broker.stop()
         if self.postgres:

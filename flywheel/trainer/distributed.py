@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -130,6 +130,10 @@ class Ranks:
 def init(device: str, timeout_s: float) -> Ranks:
     """Join the torchrun process group: NCCL when the ranks use GPUs, else gloo."""
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if device.startswith("cuda:"):
+        raise ValueError(f"trainer.device={device!r} would put every rank on one GPU: under "
+                         "torchrun use auto or cuda (each rank takes the GPU of its "
+                         "LOCAL_RANK; choose GPUs with CUDA_VISIBLE_DEVICES)")
     local = int(os.environ.get("LOCAL_RANK", rank))
     dev = rank_device(device, local)
     if dev.type == "cuda":
@@ -168,6 +172,51 @@ def _sync_state(trainer: LoRATrainer, rank: int) -> None:
         trainer.steps = int(state["steps"])
 
 
+class _Channel:
+    """Rank 0's side of the process group: one operation at a time (rank 0 calls from worker
+    threads and from its heartbeat), so every rank sees the same order; none after `stop`."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.stopped = False
+        self.broken: BaseException | None = None
+
+    def run(self, cmd: tuple[Any, ...], local: Callable[[], T], *, exit_on_failure: bool,
+            blocking: bool = True) -> T | None:
+        """Send `cmd`, then run `local` here (None: not blocking and the channel was busy).
+
+        Any failure (a rank died, out of memory, diverged replicas) leaves the ranks out of
+        step for good: rank 0 exits at once (status 70) and torchrun stops the job;
+        restarted, it resumes from the last published version, like a single trainer after a
+        crash (`exit_on_failure=False`: raise instead)."""
+        if not self.lock.acquire(blocking=blocking):
+            return None
+        try:
+            if self.stopped:
+                raise RuntimeError("the follower ranks were stopped: rank 0 is shutting down")
+            if self.broken is not None:
+                raise RuntimeError(f"the process group failed earlier: {self.broken}")
+            try:
+                _broadcast(cmd)
+                result = local()
+            except Exception as err:
+                self.broken = err
+                if exit_on_failure:
+                    log.critical("data-parallel %s failed (%s: %s); exiting so torchrun "
+                                 "restarts the job from the last published version",
+                                 cmd[0], type(err).__name__, err)
+                    logging.shutdown()
+                    os._exit(70)
+                raise
+            self.stopped = cmd[0] == "stop"
+            return result
+        finally:
+            self.lock.release()
+
+
+_channel = _Channel()
+
+
 class Leader:
     """Rank 0's handle on the trainer (what `TrainerService` calls): each operation is sent
     to the followers first, then run here; they all run it together."""
@@ -175,40 +224,19 @@ class Leader:
     def __init__(self, trainer: LoRATrainer, ranks: Ranks, *,
                  exit_on_failure: bool = True) -> None:
         self.trainer, self.ranks, self.exit_on_failure = trainer, ranks, exit_on_failure
-        self._lock = threading.Lock()  # one operation at a time, in one order on all ranks
-        self.broken: BaseException | None = None
         trainer.ranks = ranks
-        with self._lock:
-            _broadcast(("init", trainer.spec(), trainer.grpo, trainer.lr, trainer.grad_clip,
-                        trainer.micro_batch, str(trainer.model_dir),
-                        [(n, tuple(p.shape)) for n, p in trainer.named_trainable()]))
-            _sync_state(trainer, 0)
+        self._run(("init", trainer.spec(), trainer.grpo, trainer.lr, trainer.grad_clip,
+                   trainer.micro_batch, str(trainer.model_dir),
+                   [(n, tuple(p.shape)) for n, p in trainer.named_trainable()]),
+                  lambda: _sync_state(trainer, 0))
         log.info("data-parallel trainer: %d ranks, %s on rank 0", ranks.size, ranks.device)
+
+    def _run(self, cmd: tuple[Any, ...], local: Callable[[], T]) -> T:
+        return cast(T, _channel.run(cmd, local, exit_on_failure=self.exit_on_failure))
 
     @property
     def steps(self) -> int:
         return self.trainer.steps
-
-    def _run(self, cmd: tuple[Any, ...], local: Callable[[], T]) -> T:
-        """Send `cmd`, then run it here. Any failure (a rank died, out of memory, diverged
-        replicas) leaves the ranks out of step for good: rank 0 exits at once (status 70)
-        and torchrun stops the job; restarted, it resumes from the last published version,
-        like a single trainer after a crash (`exit_on_failure=False`: raise instead)."""
-        with self._lock:
-            if self.broken is not None:
-                raise RuntimeError(f"the process group failed earlier: {self.broken}")
-            try:
-                _broadcast(cmd)
-                return local()
-            except Exception as err:
-                self.broken = err
-                if self.exit_on_failure:
-                    log.critical("data-parallel %s failed (%s: %s); exiting so torchrun "
-                                 "restarts the job from the last published version",
-                                 cmd[0], type(err).__name__, err)
-                    logging.shutdown()
-                    os._exit(70)
-                raise
 
     def step(self, groups: Sequence[GroupScoredPayload]) -> dict[str, float]:
         metrics = self._run(("step", list(groups)), lambda: self.trainer.step(groups))
@@ -222,28 +250,27 @@ class Leader:
         self._run(("reset",), self.trainer.reset_optimizer)
 
     def save(self, directory: Path) -> None:
-        """Every replica must hold the same weights; rank 0's are written."""
-        def check_then_save() -> None:
-            self.ranks.check_replicas(self.trainer.trainable())
-            self.trainer.save(directory)
-
-        self._run(("check",), check_then_save)
+        """Every replica must hold the same weights; rank 0's are written (a local error
+        writing them is an ordinary publication failure, not a broken group)."""
+        self._run(("check",), lambda: self.ranks.check_replicas(self.trainer.trainable()))
+        self.trainer.save(directory)
 
     def keepalive(self) -> None:
         """While idle, a no-op collective (a busy trainer is alive anyway)."""
-        if self.broken is None and self._lock.acquire(blocking=False):
-            self._lock.release()
-            self._run(("ping",), lambda: None)
-
-    def stop(self) -> None:
-        """The followers leave (skipped when the group already failed: nobody listens)."""
-        if self.broken is None:
-            self._run(("stop",), lambda: None)
+        if not (_channel.stopped or _channel.broken):
+            _channel.run(("ping",), lambda: None, exit_on_failure=self.exit_on_failure,
+                         blocking=False)
 
 
 def stop_followers() -> None:
-    """Rank 0 is shutting down: the followers leave (even before `init`)."""
-    _broadcast(("stop",))
+    """Rank 0 is shutting down: the followers leave, whether its trainer is ready or not;
+    later operations fail instead of waiting for ranks that are gone."""
+    if _channel.stopped or _channel.broken:
+        return  # nobody listens any more
+    try:
+        _channel.run(("stop",), lambda: None, exit_on_failure=False)
+    except Exception as err:
+        log.warning("could not stop the follower ranks (%s); torchrun ends them", err)
 
 
 def follow(ranks: Ranks) -> None:

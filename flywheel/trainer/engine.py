@@ -170,7 +170,7 @@ class LoRATrainer:
         total_tokens = sum(len(s.completion_ids) for s in samples)
         metrics: dict[str, float] = {"samples": float(len(samples)),
                                      "tokens": float(total_tokens)}
-        if self.ranks is None:
+        if self.ranks is None or not samples:  # nothing to train: no gradient anywhere
             metrics.update(self.backward(samples))
         else:  # this rank's whole prompts, weighted by the whole batch; gradients summed
             sets = by_prompt([(s.prompt_ids, s.temperature) for s in samples])

@@ -139,6 +139,7 @@ class TrainerService:
         t = self.settings.trainer
         self.status.state = "warm_start"
         self.status.detail = "waiting for the gate's baseline on the frozen holdout"
+        log.info("%s (up to %.0fs)", self.status.detail, t.baseline_wait_s)
         deadline = time.monotonic() + t.baseline_wait_s
         baseline = None
         while time.monotonic() < deadline:
@@ -166,7 +167,7 @@ class TrainerService:
         # idle once the baseline is in: the trainer may use every core meanwhile.
         await self._sft(order, len(demos))
         # GRPO starts with fresh optimizer moments, resumed or not (the state is published).
-        self.trainer.reset_optimizer()
+        await asyncio.to_thread(self.trainer.reset_optimizer)
         return await self.publish(None, stage="sft", demos=len(demos))
 
     async def _sft(self, order: list[Any], demos: int) -> None:
@@ -328,12 +329,9 @@ class TrainerService:
         """Under torchrun: the follower ranks leave with rank 0 (ready or not)."""
         if self.ranks is None:
             return
-        from flywheel.trainer.distributed import Leader, stop_followers
+        from flywheel.trainer.distributed import stop_followers
 
-        if isinstance(self.trainer, Leader):
-            self.trainer.stop()
-        else:
-            stop_followers()
+        stop_followers()
 
     def watch(self) -> tuple[str, str | None]:
         """The state to report: a long step is `stalled`, a long silence is `starved`."""
