@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# GPU smoke check of the vLLM engine, end to end through VLLMPolicy (needs an NVIDIA GPU and
-# vLLM >= 0.10.2 installed; not run in CI, which has no GPU).
+# GPU checks (need an NVIDIA GPU; not run in CI, which has no GPU): first the trainer on the
+# GPU (tests/test_trainer_gpu.py: the GRPO gradient equals the CPU's, a step, a save/resume
+# onto the GPU; with two or more GPUs also two NCCL ranks under torchrun against one
+# process), then the vLLM engine end to end through VLLMPolicy (vLLM >= 0.10.2 installed;
+# SKIP_VLLM=1 stops after the trainer).
 #
 #   infra/gpu-check.sh [MODEL_DIR]
 #
@@ -45,6 +48,14 @@ trap 'exit 130' INT TERM
 
 command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 \
   || die "no NVIDIA GPU visible (nvidia-smi -L failed); this check needs one"
+"$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' \
+  || die "$PY's torch has no CUDA (install a CUDA build of torch in that environment)"
+
+echo "gpu-check: the trainer on the GPU"
+"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_trainer_gpu.py \
+  "tests/test_trainer.py::test_torchrun_ranks_take_the_single_process_step" \
+  || die "trainer GPU tests failed"
+[ "${SKIP_VLLM:-0}" = 1 ] && { echo "gpu-check: PASS (trainer only)"; exit 0; }
 "$PY" -c 'import vllm' 2>/dev/null \
   || die "vllm is not importable by $PY; install vllm>=0.10.2 in that environment"
 

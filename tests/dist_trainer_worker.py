@@ -1,7 +1,9 @@
 """Run by `torchrun` from tests/test_trainer.py: rank 0 resumes a checkpoint and drives the
 followers through SFT and GRPO steps (`flywheel.trainer.distributed`), then saves.
 
-    torchrun --standalone --nproc_per_node=2 tests/dist_trainer_worker.py DATA OUT
+    torchrun --standalone --nproc_per_node=2 tests/dist_trainer_worker.py DATA OUT [DEVICE]
+
+DEVICE: `cpu` (gloo, the default) or `cuda` (NCCL, one GPU per rank).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def run_ops(trainer: Any, ops: Sequence[tuple[str, Any]]) -> None:
 
 def main() -> None:
     data = pickle.loads(Path(sys.argv[1]).read_bytes())
-    ranks = distributed.init("cpu", 300)
+    ranks = distributed.init(sys.argv[3] if len(sys.argv) > 3 else "cpu", 300)
     try:
         if ranks.rank:
             distributed.follow(ranks)

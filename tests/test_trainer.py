@@ -114,10 +114,20 @@ def _demos() -> list[Demonstration]:
         for city in ["Oslo", "Lima", "Pune", "Quito"]]
 
 
+def _two_gpus() -> bool:
+    import torch
+
+    return torch.cuda.device_count() >= 2
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not _two_gpus(), reason="NCCL ranks need two GPUs")])])
 def test_torchrun_ranks_take_the_single_process_step(
-        groups: list[tuple[TaskSpec, GroupScoredPayload]], tmp_path: Path) -> None:
-    """Two gloo ranks resume a checkpoint, then SFT + GRPO steps with the batch split between
-    them: the weights, optimizer moments and step count equal one process doing the same."""
+        groups: list[tuple[TaskSpec, GroupScoredPayload]], tmp_path: Path, device: str) -> None:
+    """Two ranks (gloo on CPUs; NCCL on two GPUs) resume a checkpoint, then SFT + GRPO steps
+    with the batch split between them: the weights, optimizer moments and step count equal
+    one CPU process doing the same."""
     import torch
     from safetensors.torch import load_file
 
@@ -142,7 +152,7 @@ def test_torchrun_ranks_take_the_single_process_step(
                                    "ops": ops}))
     log = tmp_path / "torchrun.log"
     worker = Path(__file__).with_name("dist_trainer_worker.py")
-    proc = torchrun([str(worker), str(data), str(tmp_path / "out")],
+    proc = torchrun([str(worker), str(data), str(tmp_path / "out"), device],
                     {"PYTHONPATH": str(worker.parent.parent)}, log)
     assert proc.wait(300) == 0, log.read_text()[-4000:]
     run_ops(ref, ops)
@@ -158,7 +168,8 @@ def test_torchrun_ranks_take_the_single_process_step(
         moved = float((want[k] - start[k]).abs().max())
         assert moved > 1e-4, k
         assert float((got[k] - want[k]).abs().max()) < 0.01 * moved, k
-    got_state, want_state = (torch.load(tmp_path / d / "trainer_state.pt", weights_only=True)
+    got_state, want_state = (torch.load(tmp_path / d / "trainer_state.pt", weights_only=True,
+                                        map_location="cpu")
                              for d in ("out", "ref"))
     assert got_state["steps"] == want_state["steps"] == 3
     for i, s in want_state["optimizer"]["state"].items():
