@@ -1,14 +1,18 @@
 """`flywheel bench learning`: does GRPO on the local engine raise reward on fixed tasks?
 
 A small fixed set of tool_call tasks; mean reward (and exact-success rate) of the base
-policy measured with fixed seeds; then K GRPO steps, each on B freshly sampled groups from
-the current adapter; then the same measurement with the trained adapter. Single process,
-the same engine and trainer classes as the services.
+policy measured with fixed seeds; optionally an SFT warm start on demonstrations of *other*
+tool_call requests (the stages the trainer runs, `--sft-steps`), measured the same way;
+then K GRPO steps, each on B freshly sampled groups from the current adapter; then the same
+measurement with the trained adapter. `gain_mean_reward` is GRPO's gain over its starting
+point (the SFT adapter, or the base). Single process, the same engine and trainer classes as
+the services.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import statistics
 import tempfile
@@ -56,7 +60,8 @@ async def _evaluate(policy: Any, tasks: list[TaskSpec], adapter: AdapterRef | No
 
 
 async def _run(steps: int, tasks_n: int, batch: int, group_size: int, max_tokens: int,
-               lr: float) -> dict[str, Any]:
+               lr: float, sft_steps: int = 0) -> dict[str, Any]:
+    from flywheel.mining.demos import demonstration_from_task
     from flywheel.policy.local import LocalPolicy
     from flywheel.policy.model_cache import resolve_model_dir
     from flywheel.trainer.engine import LoRASpec, LoRATrainer
@@ -72,6 +77,22 @@ async def _run(steps: int, tasks_n: int, batch: int, group_size: int, max_tokens
     started = time.perf_counter()
     base = await _evaluate(policy, tasks, None, cfg)
     adapter: AdapterRef | None = None
+    sft: dict[str, Any] | None = None
+    if sft_steps:
+        # Demonstrations of other requests than the evaluated ones (a different draw).
+        seen = {json.dumps(t.messages) for t in tasks}
+        demos = [d for t in fixed_tasks(8 * 8, seed=1) if json.dumps(t.messages) not in seen
+                 for d in [demonstration_from_task(t, uuid.uuid4())] if d is not None]
+        for step in range(sft_steps):
+            chunk = [demos[(step * 8 + i) % len(demos)] for i in range(8)]
+            await asyncio.to_thread(trainer.sft_step, chunk, lr=1e-3)
+        trainer.reset_optimizer()  # GRPO starts with fresh moments, as in the trainer
+        await asyncio.to_thread(trainer.save, work / "sft")
+        adapter = AdapterRef("policy", 0, work / "sft")
+        await policy.ensure_adapter(adapter)
+        sft = {"steps": sft_steps, "demonstrations": len(demos),
+               **await _evaluate(policy, tasks, adapter, cfg)}
+    start = sft or base
     curve, trained_groups = [], 0
     for step in range(steps):
         groups = []
@@ -102,11 +123,12 @@ async def _run(steps: int, tasks_n: int, batch: int, group_size: int, max_tokens
     await policy.close()
     return {"steps": steps, "optimizer_steps": trainer.steps, "groups_trained": trained_groups,
             "tasks": tasks_n, "group_size": group_size, "lr": lr,
-            "base": base, "trained": final, "train_reward_curve": curve,
-            "gain_mean_reward": round(final["mean_reward"] - base["mean_reward"], 3),
+            "max_tokens": max_tokens, "batch": batch,
+            "base": base, "sft": sft, "trained": final, "train_reward_curve": curve,
+            "gain_mean_reward": round(final["mean_reward"] - start["mean_reward"], 3),
             "seconds": round(time.perf_counter() - started, 1)}
 
 
 def run_learning(steps: int = 30, *, tasks: int = 6, batch: int = 2, group_size: int = 8,
-                 max_tokens: int = 32, lr: float = 2e-4) -> dict[str, Any]:
-    return asyncio.run(_run(steps, tasks, batch, group_size, max_tokens, lr))
+                 max_tokens: int = 32, lr: float = 2e-4, sft_steps: int = 0) -> dict[str, Any]:
+    return asyncio.run(_run(steps, tasks, batch, group_size, max_tokens, lr, sft_steps))

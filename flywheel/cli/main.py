@@ -300,12 +300,16 @@ def bench_learning(
     steps: Annotated[int, typer.Option(help="GRPO steps.")] = 30,
     tasks: Annotated[int, typer.Option(help="Fixed tool_call tasks.")] = 6,
     lr: Annotated[float, typer.Option(help="Learning rate.")] = 2e-4,
+    sft_steps: Annotated[int, typer.Option(
+        help="SFT warm-start steps before GRPO, on demonstrations of other requests.")] = 0,
+    max_tokens: Annotated[int, typer.Option(help="Most tokens per completion.")] = 32,
     as_json: JsonOpt = False,
 ) -> None:
-    """Mean reward on fixed tasks: base policy vs after K GRPO steps (local engine)."""
+    """Mean reward on fixed tasks: base policy [vs SFT] vs after K GRPO steps (local engine)."""
     from flywheel.bench.learning import run_learning
 
-    result = run_learning(steps, tasks=tasks, lr=lr)
+    result = run_learning(steps, tasks=tasks, lr=lr, sft_steps=sft_steps,
+                          max_tokens=max_tokens)
     print_result(result, as_json)
 
 
