@@ -215,14 +215,9 @@ class GateCheck(_Payload):
     detail: str
 
 
-class AdapterEvaluatedPayload(_Payload):
-    evaluation_id: uuid.UUID
-    policy: str
-    version: int
-    baseline_version: int | None
-    """Production when the evaluation ran (None = the base model)."""
-    eval_set_version: int
-    mode: Literal["auto", "manual"]
+class GateDecision(_Payload):
+    """What the gate's rule decided and why (`flywheel.gate.decision.decide`)."""
+
     recommendation: Literal["promote", "reject"]
     candidate: GateMetrics
     baseline: GateMetrics
@@ -233,6 +228,18 @@ class AdapterEvaluatedPayload(_Payload):
     checks: list[GateCheck]
     reasons: list[str]
     """The decision in plain words, one sentence per failed (or, when promoting, key) check."""
+
+
+class AdapterEvaluatedPayload(GateDecision):
+    """A decision and what it was about."""
+
+    evaluation_id: uuid.UUID
+    policy: str
+    version: int
+    baseline_version: int | None
+    """Production when the evaluation ran (None = the base model)."""
+    eval_set_version: int
+    mode: Literal["auto", "manual"]
 
 
 class AdapterEvaluated(_Event):

@@ -14,9 +14,11 @@ from pathlib import Path
 
 import asyncpg
 import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flywheel.config import DbSettings, KafkaSettings, Settings
 from flywheel.db import migrate
+from flywheel.db.engine import make_engine
 from flywheel.runtime.broker import LocalBroker, free_port
 from flywheel.runtime.postgres import LocalPostgres
 
@@ -87,6 +89,14 @@ async def db_url(postgres: LocalPostgres, template_db: str) -> AsyncIterator[str
 def pg_dsn(db_url: str) -> str:
     """The same database as `db_url`, as a plain asyncpg DSN (for assertions)."""
     return _pg_dsn(db_url, db_url.rsplit("/", 1)[1])
+
+
+@pytest.fixture
+async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
+    """An async SQLAlchemy engine on this test's database."""
+    e = make_engine(db_url)
+    yield e
+    await e.dispose()
 
 
 @pytest.fixture

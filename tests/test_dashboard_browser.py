@@ -10,7 +10,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flywheel.cli.serve_api import build_app
 from flywheel.config import Settings
-from flywheel.db.engine import make_engine
 from flywheel.events import GateMetrics
 from flywheel.gate.baseline import store_baseline
 from flywheel.runtime.broker import free_port
@@ -77,13 +76,6 @@ class Server:
 @dataclass
 class Seeded:
     pending: uuid.UUID
-
-
-@pytest.fixture
-async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
-    e = make_engine(db_url)
-    yield e
-    await e.dispose()
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flywheel.api import create_app
 from flywheel.config import Settings
-from flywheel.db.engine import make_engine
 from flywheel.db.repo import append_events
 from flywheel.events import AdapterTrained, AdapterTrainedPayload, Event
 from flywheel.gate import lifecycle, queries
@@ -35,13 +34,6 @@ def run(version: int | None, rate: float, n: int = 30, k: int = 4) -> EvalRun:
 
 def with_mode(settings: Settings, mode: str) -> Settings:
     return settings.model_copy(update={"gate": settings.gate.model_copy(update={"mode": mode})})
-
-
-@pytest.fixture
-async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
-    e = make_engine(db_url)
-    yield e
-    await e.dispose()
 
 
 async def train(engine: AsyncEngine, settings: Settings, version: int) -> None:

@@ -19,7 +19,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flywheel.api import create_app
 from flywheel.config import Settings
-from flywheel.db.engine import make_engine
 from flywheel.events import AdapterEvaluated, Event
 from flywheel.gate import lifecycle
 from flywheel.kafka import ensure_topics
@@ -94,13 +93,6 @@ async def seed_lifecycle(engine: AsyncEngine, settings: Settings) -> uuid.UUID:
 def evaluation_id(event: Event) -> uuid.UUID:
     assert isinstance(event, AdapterEvaluated), event
     return event.payload.evaluation_id
-
-
-@pytest.fixture
-async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
-    e = make_engine(db_url)
-    yield e
-    await e.dispose()
 
 
 @pytest.fixture

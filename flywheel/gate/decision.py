@@ -10,11 +10,11 @@ import math
 import random
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from flywheel.config import GateSettings
-from flywheel.events import GateCheck, GateMetrics
+from flywheel.events import GateCheck, GateDecision, GateMetrics
 
 
 @dataclass(frozen=True)
@@ -51,19 +51,6 @@ class EvalRun:
 Rule = GateSettings
 """The decision rule's thresholds are the gate settings (`min_gain`, `alpha`, `test`, the
 tolerances): one definition, documented in `flywheel.config`."""
-
-
-@dataclass(frozen=True)
-class Decision:
-    recommendation: Literal["promote", "reject"]
-    candidate: GateMetrics
-    baseline: GateMetrics
-    test: str
-    statistic: float
-    p_value: float
-    checks: list[GateCheck]
-    reasons: list[str]
-    thresholds: dict[str, float] = field(default_factory=dict)
 
 
 def _rate(flags: Sequence[bool]) -> float:
@@ -139,7 +126,7 @@ def mcnemar(cand: EvalRun, base: EvalRun) -> tuple[float, float]:
     return float(wins - losses), p
 
 
-def decide(cand: EvalRun, base: EvalRun, rule: Rule) -> Decision:
+def decide(cand: EvalRun, base: EvalRun, rule: Rule) -> GateDecision:
     """Promote iff the gain is large enough, significant, and nothing guarded regresses."""
     mc, mb = metrics(cand), metrics(base)
     if rule.test == "mcnemar":
@@ -183,8 +170,9 @@ def decide(cand: EvalRun, base: EvalRun, rule: Rule) -> Decision:
         reasons = [f"promote: {checks[1].detail}; {checks[2].detail}; no guard metric or task "
                    "group regressed beyond its tolerance"]
     thresholds = {k: float(getattr(rule, k)) for k in _THRESHOLDS}
-    return Decision("reject" if failed else "promote", mc, mb, rule.test, statistic, p,
-                    checks, reasons, thresholds)
+    return GateDecision(recommendation="reject" if failed else "promote", candidate=mc,
+                        baseline=mb, test=rule.test, statistic=statistic, p_value=p,
+                        thresholds=thresholds, checks=checks, reasons=reasons)
 
 
 _THRESHOLDS = ("min_gain", "alpha", "invalid_tolerance", "unsafe_tolerance", "reward_tolerance",

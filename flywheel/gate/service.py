@@ -138,13 +138,10 @@ def decision_payload(settings: Settings, version: int, production: int | None,
                      eval_set_version: int, candidate: EvalRun, baseline: EvalRun
                      ) -> AdapterEvaluatedPayload:
     """The decision record of `candidate` against `baseline` under the configured rule."""
-    d = decide(candidate, baseline, settings.gate)
     return AdapterEvaluatedPayload(
-        evaluation_id=uuid.uuid4(), policy=settings.rollout.policy, version=version,
-        baseline_version=production, eval_set_version=eval_set_version,
-        mode=settings.gate.mode, recommendation=d.recommendation, candidate=d.candidate,
-        baseline=d.baseline, test=d.test, statistic=d.statistic, p_value=d.p_value,
-        thresholds=d.thresholds, checks=d.checks, reasons=d.reasons)
+        **dict(decide(candidate, baseline, settings.gate)), evaluation_id=uuid.uuid4(),
+        policy=settings.rollout.policy, version=version, baseline_version=production,
+        eval_set_version=eval_set_version, mode=settings.gate.mode)
 
 
 def describe(events: list[Any]) -> str:

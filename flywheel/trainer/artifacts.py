@@ -103,8 +103,6 @@ class ArtifactStore(Protocol):
         """Published versions, oldest first."""
         ...
 
-    def latest(self, policy: str) -> int | None: ...
-
     def publish(self, policy: str, version: int, source_dir: Path, *, base_model: str,
                 steps: int, parent_version: int | None = None,
                 groups_consumed: Iterable[uuid.UUID | str] = (),

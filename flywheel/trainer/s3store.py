@@ -85,10 +85,6 @@ class S3AdapterStore:
                 found.add(int(m.group(2)))
         return sorted(found)
 
-    def latest(self, policy: str) -> int | None:
-        published = self.versions(policy)
-        return published[-1] if published else None
-
     def publish(self, policy: str, version: int, source_dir: Path, *, base_model: str,
                 steps: int, parent_version: int | None = None,
                 groups_consumed: Iterable[uuid.UUID | str] = (),

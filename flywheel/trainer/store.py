@@ -84,10 +84,6 @@ class AdapterStore:
                     found.append(int(m.group(1)))
         return sorted(found)
 
-    def latest(self, policy: str) -> int | None:
-        published = self.versions(policy)
-        return published[-1] if published else None
-
     def publish(self, policy: str, version: int, source_dir: Path, *, base_model: str,
                 steps: int, parent_version: int | None = None,
                 groups_consumed: Iterable[uuid.UUID | str] = (),
