@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
-from flywheel.cli.common import JsonOpt, _fail, _settings, console
+from flywheel.cli.common import JsonOpt, _fail, _settings, console, print_result
 
 
 def baseline(as_json: JsonOpt = False) -> None:
@@ -34,7 +33,7 @@ def baseline(as_json: JsonOpt = False) -> None:
     except (NoEvalSet, StackNotRunning) as err:
         _fail(str(err))
     if as_json:
-        print(json.dumps(record, sort_keys=True))
+        print_result(record, True)
         return
     base = record["base"]
     console.print(f"eval set v{record['eval_set_version']}: base model success "

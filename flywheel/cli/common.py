@@ -44,7 +44,7 @@ def _db_call(fn: Any) -> Any:
         _fail(str(exc))
 
 
-def print_result(result: dict[str, Any], as_json: bool) -> None:
+def print_result(result: Any, as_json: bool) -> None:
     """A command's result: one JSON line for scripts (`--json`), else pretty JSON."""
     if as_json:
         print(json.dumps(result, sort_keys=True, default=str))

@@ -7,7 +7,6 @@ events with the operator's user@host as actor).
 from __future__ import annotations
 
 import getpass
-import json
 import socket
 from typing import Annotated, Any
 
@@ -15,7 +14,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from flywheel.cli.common import JsonOpt, _db_call, _fail, _settings, console
+from flywheel.cli.common import JsonOpt, _db_call, _fail, _settings, console, print_result
+from flywheel.gate.lifecycle import version_label
 
 promotions_app = typer.Typer(no_args_is_help=True,
                              help="Gate decisions: review, approve, reject.")
@@ -26,10 +26,6 @@ Reason = Annotated[str, typer.Option("--reason", help="Why (kept in the audit lo
 
 def _actor() -> str:
     return f"{getpass.getuser()}@{socket.gethostname()} (cli)"
-
-
-def _print(data: Any, as_json: bool) -> None:
-    print(json.dumps(data, sort_keys=True, default=str, indent=None if as_json else 2))
 
 
 def _lifecycle_call(fn: Any) -> Any:
@@ -65,7 +61,7 @@ def promotions_ls(state: Annotated[str | None, typer.Option(
     policy = _settings().rollout.policy
     rows = _db_call(lambda conn: list_evaluations(conn, policy, state=state))
     if as_json:
-        print(json.dumps(rows, sort_keys=True, default=str))
+        print_result(rows, True)
         return
     table = Table("id", "version", "vs", "success", "p", "gate says", "state", "by")
     for r in rows:
@@ -86,7 +82,7 @@ def promotions_show(evaluation: str, as_json: JsonOpt = False) -> None:
     async def go(conn: Any) -> Any:
         return await get_evaluation(conn, await _evaluation_id(conn, evaluation))
 
-    _print(_lifecycle_call(go), as_json)
+    print_result(_lifecycle_call(go), as_json)
 
 
 @promotions_app.command("approve")
@@ -106,10 +102,10 @@ def promotions_approve(evaluation: str, reason: Reason,
 
     event = _lifecycle_call(go)
     if as_json:
-        _print(event, True)
+        print_result(event, True)
     else:
         console.print(f"promoted v{event['payload']['version']} (was "
-                      f"{_label(event['payload']['previous_version'])})")
+                      f"{version_label(event['payload']['previous_version'])})")
 
 
 @promotions_app.command("reject")
@@ -126,13 +122,9 @@ def promotions_reject(evaluation: str, reason: Reason, as_json: JsonOpt = False)
 
     event = _lifecycle_call(go)
     if as_json:
-        _print(event, True)
+        print_result(event, True)
     else:
         console.print(f"rejected v{event['payload']['version']}")
-
-
-def _label(version: int | None) -> str:
-    return "the base model" if version is None else f"v{version}"
 
 
 @adapters_app.command("ls")
@@ -148,17 +140,17 @@ def adapters_ls(as_json: JsonOpt = False) -> None:
 
     data = _db_call(go)
     if as_json:
-        print(json.dumps(data, sort_keys=True, default=str))
+        print_result(data, True)
         return
     table = Table("", "version", "parent", "stage", "steps", "status", "holdout success")
     for a in data["adapters"]:
         success = a["holdout_success"]
         table.add_row("★" if a["production"] else "", f"v{a['version']}",
-                      _label(a["parent_version"]), a["stage"], str(a["steps"]), a["status"],
+                      version_label(a["parent_version"]), a["stage"], str(a["steps"]), a["status"],
                       "" if success is None else f"{success:.2f}")
     Console().print(table)
     p = data["production"]
-    console.print(f"production: {_label(p['version'])}; serving: "
+    console.print(f"production: {version_label(p['version'])}; serving: "
                   f"{p['served_name'] or 'not switched yet'}")
 
 
@@ -171,7 +163,7 @@ def adapters_show(version: int, as_json: JsonOpt = False) -> None:
     found = _db_call(lambda conn: get_adapter(conn, policy, version))
     if found is None:
         _fail(f"no adapter version {version} (see `flywheel adapters ls`)")
-    _print(found, as_json)
+    print_result(found, as_json)
 
 
 @adapters_app.command("rollback")
@@ -200,11 +192,12 @@ def adapters_rollback(reason: Reason,
 
     event = _lifecycle_call(go)
     if as_json:
-        _print(event, True)
+        print_result(event, True)
     else:
         p = event["payload"]
-        console.print(f"rolled back {_label(p['from_version'])} → {_label(p['to_version'])}; "
-                      "serving switches once every replica has it")
+        console.print(f"rolled back {version_label(p['from_version'])} → "
+                      f"{version_label(p['to_version'])}; serving switches once every "
+                      "replica has it")
 
 
 @adapters_app.command("evaluate")
@@ -236,7 +229,7 @@ def adapters_evaluate(version: int, as_json: JsonOpt = False) -> None:
     except LifecycleError as err:
         _fail(str(err))
     if as_json:
-        _print(events, True)
+        print_result(events, True)
     else:
         for e in events:
             console.print(f"{e['type']}: " + "; ".join(e["payload"].get("reasons", [])
@@ -258,7 +251,7 @@ def replay(as_json: JsonOpt = False) -> None:
 
     result = _db_call(go)
     if as_json:
-        print(json.dumps(result, sort_keys=True))
+        print_result(result, True)
     else:
         console.print(f"replayed {result['events']} events; rows {result['rows']}; "
                       + ("state identical" if result["identical"]

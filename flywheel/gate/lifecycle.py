@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import text
@@ -176,8 +175,8 @@ async def record_evaluation(conn: AsyncConnection, payload: AdapterEvaluatedPayl
     """Record the decision; in `auto` mode also carry it out (promote or reject)."""
     current, _ = await lock_production(conn, payload.policy)
     if current != payload.baseline_version:
-        raise Conflict(f"production of {payload.policy!r} moved to {_name(current)} while "
-                       f"{_name(payload.baseline_version)} was the baseline; re-evaluate")
+        raise Conflict(f"production of {payload.policy!r} moved to {version_label(current)} while "
+                       f"{version_label(payload.baseline_version)} was the baseline; re-evaluate")
     events: list[Event] = [await apply_event(conn, AdapterEvaluated(
         aggregate_id=adapter_key(payload.policy, payload.version), payload=payload), topic)]
     if payload.mode == "auto":
@@ -214,8 +213,8 @@ async def approve(conn: AsyncConnection, evaluation_id: uuid.UUID, *, actor: str
         raise LifecycleError(f"{name} is {ev['adapter_status']}: it needs a new evaluation "
                              "before it can be promoted")
     if current != ev["baseline_version"]:
-        raise Conflict(f"production moved to {_name(current)} since this evaluation compared "
-                       f"{name} with {_name(ev['baseline_version'])}; re-evaluate")
+        raise Conflict(f"production moved to {version_label(current)} since this evaluation "
+                       f"compared {name} with {version_label(ev['baseline_version'])}; re-evaluate")
     if ev["recommendation"] != "promote" and not force:
         raise LifecycleError(f"the gate recommended rejecting {name} "
                              f"({'; '.join(ev['record']['reasons'])}); pass --force to "
@@ -308,7 +307,8 @@ async def _previous_production(conn: AsyncConnection, policy: str, current: int
     return None
 
 
-def _name(version: int | None) -> str:
+def version_label(version: int | None) -> str:
+    """`vN`, or `the base model` for no adapter (in messages and logs)."""
     return "the base model" if version is None else f"v{version}"
 
 
@@ -342,9 +342,3 @@ async def snapshot(conn: AsyncConnection) -> dict[str, list[dict[str, Any]]]:
                                    )).mappings().all()
         out[table] = [json.loads(json.dumps(dict(r), default=str)) for r in rows]
     return out
-
-
-async def events_of(conn: AsyncConnection, types: Sequence[str]) -> list[dict[str, Any]]:
-    rows = (await conn.execute(text("""SELECT seq, type, occurred_at, payload FROM events
-        WHERE type = ANY(:t) ORDER BY seq"""), {"t": list(types)})).mappings().all()
-    return [dict(r) for r in rows]

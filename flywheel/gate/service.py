@@ -48,8 +48,8 @@ class GateService:
         adapter = await self.adapters(version)
         if adapter is not None:
             await self.policy.ensure_adapter(adapter)
-        label = f"v{version}" if version is not None else "the base model"
-        log.info("evaluating %s on %d holdout tasks (eval set v%d, k=%d)", label,
+        log.info("evaluating %s on %d holdout tasks (eval set v%d, k=%d)",
+                 lifecycle.version_label(version),
                  len(holdout.tasks), holdout.eval_set_version, self.settings.gate.samples_per_task)
         run = await evaluate(self.policy, holdout, adapter, self.settings)
         async with self.engine.begin() as conn:

@@ -58,11 +58,6 @@ log = logging.getLogger("flywheel.trainer")
 T = TypeVar("T")
 
 
-def launched() -> bool:
-    """Started by torchrun with more than one rank."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
 def rank_device(setting: str, local_rank: int) -> torch.device:
     """This rank's device: with `auto` or `cuda`, the GPU numbered by the local rank."""
     if setting == "auto":
@@ -221,9 +216,8 @@ class Leader:
     """Rank 0's handle on the trainer (what `TrainerService` calls): each operation is sent
     to the followers first, then run here; they all run it together."""
 
-    def __init__(self, trainer: LoRATrainer, ranks: Ranks, *,
-                 exit_on_failure: bool = True) -> None:
-        self.trainer, self.ranks, self.exit_on_failure = trainer, ranks, exit_on_failure
+    def __init__(self, trainer: LoRATrainer, ranks: Ranks) -> None:
+        self.trainer, self.ranks = trainer, ranks
         trainer.ranks = ranks
         self._run(("init", trainer.spec(), trainer.grpo, trainer.lr, trainer.grad_clip,
                    trainer.micro_batch, str(trainer.model_dir),
@@ -232,7 +226,7 @@ class Leader:
         log.info("data-parallel trainer: %d ranks, %s on rank 0", ranks.size, ranks.device)
 
     def _run(self, cmd: tuple[Any, ...], local: Callable[[], T]) -> T:
-        return cast(T, _channel.run(cmd, local, exit_on_failure=self.exit_on_failure))
+        return cast(T, _channel.run(cmd, local, exit_on_failure=True))
 
     @property
     def steps(self) -> int:
@@ -258,8 +252,7 @@ class Leader:
     def keepalive(self) -> None:
         """While idle, a no-op collective (a busy trainer is alive anyway)."""
         if not (_channel.stopped or _channel.broken):
-            _channel.run(("ping",), lambda: None, exit_on_failure=self.exit_on_failure,
-                         blocking=False)
+            _channel.run(("ping",), lambda: None, exit_on_failure=True, blocking=False)
 
 
 def stop_followers() -> None:
