@@ -22,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
+from flywheel.gate.baseline import latest_baseline
 from flywheel.rollout import store
 from flywheel.rollout.select import pick_tasks
 from flywheel.runtime.endpoints import resolve_db_url
@@ -71,9 +72,8 @@ async def _warm_starting(conn: AsyncConnection, settings: Settings) -> bool:
                                 {"p": policy})).scalar()
     if state in ("waiting", "training", "starved", "stalled"):
         return False
-    recommendation = (await conn.execute(text("""SELECT recommendation FROM baselines
-        WHERE policy = :p ORDER BY created_at DESC LIMIT 1"""), {"p": policy})).scalar()
-    return recommendation is None or recommendation == "sft"
+    baseline = await latest_baseline(conn, policy)
+    return baseline is None or baseline["recommendation"] == "sft"
 
 
 async def run_scheduler(settings: Settings, stop: asyncio.Event) -> None:

@@ -12,7 +12,7 @@ import os
 import re
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Literal, Protocol, Self
@@ -124,6 +124,12 @@ class ArtifactStore(Protocol):
     def discard(self, policy: str, version: int) -> bool:
         """Delete one version whatever retention says (e.g. published but never registered);
         False when it was not there."""
+        ...
+
+    def gc_temp(self, policy: str | None = None, *,
+                min_age_s: float = 3600.0) -> Sequence[object]:
+        """Remove what crashed or losing publishes left (older than `min_age_s`, so an
+        in-flight publish is spared); returns what was removed."""
         ...
 
 

@@ -11,8 +11,8 @@ Keys carry the file's checksum so that a lost race is harmless: two publishers o
 object a committed manifest names is overwritten with other content. The manifest is created
 only if absent (`Bucket.put_new`: `If-None-Match: *` where the server honours it, else check
 then put). `retain` and `discard` delete the manifest first, so a half-deleted version is
-invisible. Objects no manifest names (a crashed or losing publish) are invisible too;
-`gc_temp` removes them.
+invisible. Objects no manifest names (a crashed or losing publish) are invisible too; the
+trainer removes them after each publication (`gc_temp`, once an hour old).
 
 Engines load local files, so every version passes through the cache, a local `AdapterStore`:
 `publish` copies the source into a temp directory there (hashing exactly the bytes copied),

@@ -103,13 +103,16 @@ class TrainerService:
             self.version = (await conn.execute(text(
                 "SELECT max(version) FROM adapter_versions WHERE policy = :p"),
                 {"p": self.policy})).scalar()
-        for orphan in [v for v in self.store.versions(self.policy)
-                       if self.version is None or v > self.version]:
+        # Storage calls run off the event loop (S3: listings, downloads, hashing), so the
+        # heartbeat keeps reporting meanwhile.
+        published = await asyncio.to_thread(self.store.versions, self.policy)
+        for orphan in [v for v in published if self.version is None or v > self.version]:
             # Published but never registered (a crash in between): not a version anyone saw.
-            self._discard(orphan)
+            await asyncio.to_thread(self._discard, orphan)
         resume = None
         if self.version is not None:
-            ref, _ = self.store.load(self.policy, self.version)  # refuses corrupted artifacts
+            # Refuses a corrupted artifact.
+            ref, _ = await asyncio.to_thread(self.store.load, self.policy, self.version)
             resume = ref.path
         t = self.settings.trainer
         self.model_dir = resolve_model_dir(self.settings.rollout.model_dir)
@@ -318,6 +321,9 @@ class TrainerService:
                                           self.settings.trainer.keep_versions, in_use)
         if deleted:
             log.info("retention removed %s@v%s", self.policy, deleted)
+        leftovers = await asyncio.to_thread(self.store.gc_temp, self.policy)
+        if leftovers:
+            log.info("removed %d leftovers of crashed publishes", len(leftovers))
 
     def keepalive(self) -> None:
         """Under torchrun: an idle trainer still talks to its followers within the process
