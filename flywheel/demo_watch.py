@@ -13,6 +13,9 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from flywheel.gate.baseline import latest_baseline
+from flywheel.gate.queries import list_adapters, production
+
 
 @dataclass
 class Progress:
@@ -25,13 +28,9 @@ class Progress:
 
 
 async def read_progress(conn: AsyncConnection, policy: str) -> Progress:
-    p = Progress()
-    row = (await conn.execute(text("""SELECT record FROM baselines WHERE policy = :p
-        ORDER BY created_at LIMIT 1"""), {"p": policy})).scalar()
-    p.baseline = row
-    p.adapters = [dict(r) for r in (await conn.execute(text("""SELECT version, parent_version,
-            stage, steps, groups, status, created_at FROM adapter_versions WHERE policy = :p
-        ORDER BY version"""), {"p": policy})).mappings()]
+    p = Progress(baseline=await latest_baseline(conn, policy),
+                 adapters=await list_adapters(conn, policy),
+                 production=(await production(conn, policy))["version"])
     p.decisions = [dict(r) for r in (await conn.execute(text("""
         SELECT e.version, e.baseline_version, e.recommendation, e.state, e.created_at,
                e.decided_at, e.record, a.stage
@@ -47,8 +46,6 @@ async def read_progress(conn: AsyncConnection, policy: str) -> Progress:
         FROM trainer_status WHERE policy = :p"""), {"p": policy})).mappings().first()
     p.trainer = dict(trainer) if trainer else None
     p.groups = int((await conn.execute(text("SELECT count(*) FROM rollout_groups"))).scalar_one())
-    p.production = (await conn.execute(text("SELECT version FROM production WHERE policy = :p"),
-                                       {"p": policy})).scalar()
     return p
 
 

@@ -309,7 +309,9 @@ class ServingSwitchedPayload(_Payload):
     served_name: str
     replicas: list[str]
     """Every replica that loaded and verified the version before the alias moved."""
-    cause_event_id: uuid.UUID
+    cause_event_id: uuid.UUID | None = None
+    """The promotion or rollback that moved production; None when no event did (serving
+    first follows a fresh stack's production: the base model)."""
 
 
 class ServingSwitched(_Event):

@@ -29,6 +29,8 @@ from flywheel.rollout.service import AdapterResolver
 
 log = logging.getLogger("flywheel.serving")
 ALIASES = ("production",)
+PLACE_TTL_S = 30.0
+"""How long a version addressed as `<policy>@vN` counts as placed on every replica."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,8 @@ class ServingSync:
         self.adapters = AdapterResolver(engine, settings)
         self.current: Target | None = None
         self._lock = asyncio.Lock()
+        self._placed: dict[int, float] = {}
+        """Explicitly addressed versions → when they were last placed on every replica."""
 
     def policy(self) -> Policy:
         if self._policy is None:
@@ -98,7 +102,7 @@ class ServingSync:
                                     payload=ServingSwitchedPayload(
                                         policy=self.name, version=target.version,
                                         served_name=target.name, replicas=self.replicas(),
-                                        cause_event_id=cause or uuid.uuid4()))
+                                        cause_event_id=cause))
             await lifecycle.apply_event(conn, event, self.settings.topics.adapters)
 
     async def run(self, stop: asyncio.Event, poll_s: float = 1.0) -> None:
@@ -127,8 +131,12 @@ class ServingSync:
         if model.startswith(prefix) and model[len(prefix):].isdigit():
             version = int(model[len(prefix):])
             adapter = await self.adapters(version)
-            if adapter is not None:
+            # Placing checks every replica (vLLM: a listing each, under one admin lock), so
+            # it runs once per PLACE_TTL_S per version, not on every chat request.
+            if adapter is not None and time.monotonic() - self._placed.get(
+                    version, -PLACE_TTL_S) >= PLACE_TTL_S:
                 await self.policy().ensure_adapter(adapter)
+                self._placed[version] = time.monotonic()
             return Target(version, adapter)
         raise LookupError(f"unknown model {model!r}: use 'production', 'base' or "
                           f"'{self.name}@v<N>'")

@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flywheel.api import create_app
 from flywheel.config import Settings
+from flywheel.demo_watch import finished, read_progress
 from flywheel.events import AdapterEvaluated, Event
 from flywheel.gate import lifecycle
 from flywheel.kafka import ensure_topics
@@ -234,3 +235,17 @@ async def test_kafka_down_still_answers_from_postgres(settings: Settings) -> Non
     assert m["flywheel_kafka_up"][()] == 0 and "flywheel_consumer_lag" not in m
     assert m["flywheel_trajectories_ingested_total"][()] == 0
     assert status["lag"] == {} and "Unable to bootstrap" in status["lag_error"]
+
+
+async def test_demo_progress_reads_the_gate_records(seeded: Seeded, engine: AsyncEngine,
+                                                    settings: Settings) -> None:
+    """What `make demo` watches comes from the same projections as the status."""
+    async with engine.connect() as conn:
+        p = await read_progress(conn, settings.rollout.policy)
+    assert p.production == 1 and p.baseline is None and p.groups == 4
+    assert [(a["version"], a["status"]) for a in p.adapters] == [
+        (1, "promoted"), (2, "evaluated"), (3, "candidate")]
+    assert [(d["version"], d["state"]) for d in p.decisions] == [(1, "promoted"),
+                                                                 (2, "pending")]
+    assert p.trainer is not None and p.trainer["state"] == "training"
+    assert not finished(p)
