@@ -15,7 +15,7 @@ from flywheel.ingest import RawRecord, classify
 from flywheel.mining import store
 from flywheel.mining.build import build_task, expected_calls, split_of
 from flywheel.mining.classify import classify_failure
-from flywheel.mining.demos import demonstrations_from_record, load_demonstrations, read_candidates
+from flywheel.mining.demos import load_demonstrations, read_candidates, success_demonstration
 from flywheel.mining.service import mine_batch
 from flywheel.schemas import Trajectory, parse_trajectory
 from flywheel.simulate import simulate
@@ -63,7 +63,8 @@ def _held_out_failure() -> tuple[Trajectory, Trajectory]:
 
 async def test_demonstrations_never_come_from_holdout_tasks(db_url: str, pg_dsn: str) -> None:
     failed, retry = _held_out_failure()
-    [retry_demo] = demonstrations_from_record(retry)
+    retry_demo = success_demonstration(retry)
+    assert retry_demo is not None
     assert SYSTEM not in retry_demo.messages[0]["content"]
     records = [*simulate(1500, agents=1, failure_rate=0.6, seed=3, chat_share=0.2),
                failed.model_dump(mode="json", exclude_none=True),

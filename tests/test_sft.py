@@ -18,8 +18,9 @@ from flywheel.mining.demos import (
     Candidate,
     Demonstration,
     HeldOut,
-    demonstrations_from_record,
+    demonstration_from_task,
     select,
+    success_demonstration,
     success_task,
 )
 from flywheel.rollout.prompt import TOOL_PREFILL, build_prompt
@@ -74,8 +75,9 @@ def corrected(name: str, args: dict[str, Any]) -> dict[str, Any]:
 def test_a_success_teaches_its_first_call_as_the_rollout_prompts_it() -> None:
     t = record("What's the weather in Paris?",
                [("get_weather", WEATHER, "ok"), ("send_email", {"to": "a@b.c"}, "ok")])
-    [demo] = demonstrations_from_record(t)
+    demo = success_demonstration(t)
     task = success_task(t)
+    assert demo is not None
     assert task is not None
     prompt = build_prompt(task)
     assert demo.messages == prompt.messages and demo.prefill == prompt.prefill == TOOL_PREFILL
@@ -91,27 +93,33 @@ def test_a_success_has_the_fingerprint_the_miner_gives_the_same_failed_request()
     failed = record("What's the weather in Paris?", [("get_weather", {"city": "Paris"}, "ok")],
                     status="failure", session="s-2",
                     outcome=corrected("get_weather", WEATHER))
-    [demo] = demonstrations_from_record(ok)
-    [fixed] = demonstrations_from_record(failed)
+    demo = success_demonstration(ok)
     task = build_task(failed, classify_failure(failed, None))
-    assert isinstance(task, TaskSpec)
+    assert isinstance(task, TaskSpec) and demo is not None
+    fixed = demonstration_from_task(task, failed.trajectory_id)  # what a train task gives
+    assert fixed is not None
     assert demo.fingerprint == fixed.fingerprint == task.fingerprint
     assert (demo.messages, demo.completion) == (fixed.messages, fixed.completion)
     assert fixed.source_trajectory_id == failed.trajectory_id
 
 
 def test_a_failure_teaches_only_its_correction() -> None:
+    """A failure is never a demonstration itself; its train task, once a person or a retry
+    says what was right, demonstrates the correction."""
     wrong = [("send_email", {"to": "x@y.z", "subject": "weather"}, "ok")]
     bare = record("What's the weather in Paris?", wrong, status="failure")
-    assert demonstrations_from_record(bare) == []  # nothing says what was right
-    [by_person] = demonstrations_from_record(record(
-        "What's the weather in Paris?", wrong, status="failure",
-        outcome=corrected("get_weather", WEATHER)))
+    assert success_demonstration(bare) is None
+    assert not isinstance(build_task(bare, classify_failure(bare, None)), TaskSpec)
+    by_person = record("What's the weather in Paris?", wrong, status="failure",
+                       outcome=corrected("get_weather", WEATHER))
     retry = record("What's the weather in Paris?", [("get_weather", WEATHER, "ok")])
-    [by_retry] = demonstrations_from_record(bare, retry=retry)
-    for demo in (by_person, by_retry):
+    tasks = [build_task(by_person, classify_failure(by_person, None)),
+             build_task(bare, classify_failure(bare, None), retry=retry)]
+    for task in tasks:
+        assert isinstance(task, TaskSpec)
+        demo = demonstration_from_task(task, uuid.uuid4())
+        assert demo is not None
         assert json.loads(demo.prefill + demo.completion)["tool"] == "get_weather"
-    assert by_retry.source_trajectory_id == bare.trajectory_id
 
 
 @pytest.mark.parametrize("case", ["first_call_errored", "hallucinated", "unsafe",
@@ -130,7 +138,7 @@ def test_successes_that_demonstrate_nothing_usable(case: str) -> None:
             "environment": {"name": "workplace", "initial_state": {}}}),
         "no_tools": lambda: record(prompt, [("get_weather", WEATHER, "ok")], tools=[]),
     }[case]()
-    assert demonstrations_from_record(t) == []
+    assert success_demonstration(t) is None
 
 
 def _demo(fp: str, completion: str = 'x"}') -> Demonstration:
@@ -183,8 +191,9 @@ def tokenizer() -> Any:
 def test_labels_cover_exactly_the_completion_and_the_end_of_turn(tokenizer: Any) -> None:
     from flywheel.policy.local import chat_prompt_ids
 
-    [demo] = demonstrations_from_record(record("What's the weather in Paris?",
-                                               [("get_weather", WEATHER, "ok")]))
+    demo = success_demonstration(record("What's the weather in Paris?",
+                                        [("get_weather", WEATHER, "ok")]))
+    assert demo is not None
     end = end_of_turn_ids(tokenizer)
     assert end == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     ex = encode_demonstration(tokenizer, demo, end)

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from flywheel.environments import load_environment
-from flywheel.mining.demos import demonstrations_from_record, success_task
+from flywheel.mining.demos import success_demonstration, success_task
 from flywheel.policy.base import AdapterRef
 from flywheel.rollout.loop import GroupConfig, run_group
 from flywheel.schemas import Trajectory
@@ -72,7 +72,7 @@ async def test_sft_teaches_the_tool_call_format_on_unseen_requests(tmp_path: Pat
     from flywheel.trainer.grpo import GRPOConfig
 
     started = time.perf_counter()
-    train = [d for t in _requests(*TRAIN) for d in demonstrations_from_record(t)]
+    train = [d for t in _requests(*TRAIN) if (d := success_demonstration(t)) is not None]
     held = [task for t in _requests(*HELD) if (task := success_task(t)) is not None]
     assert len(train) == 30 and len(held) == 6
     assert not {d.messages[-1]["content"] for d in train} & {t.messages[-1]["content"]

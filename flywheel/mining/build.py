@@ -27,6 +27,7 @@ from flywheel.schemas import (
 from flywheel.tasks import (
     CodeSpec,
     ExpectedCall,
+    FailureMode,
     Split,
     TaskSpec,
     ToolCallSpec,
@@ -135,12 +136,33 @@ def split_of(fp: str, holdout_fraction: float) -> Split:
     return "holdout" if int(fp[:8], 16) / 0x1_0000_0000 < holdout_fraction else "train"
 
 
+def environment_name(t: Trajectory) -> str:
+    """The environment a trajectory ran in (`metadata.environment.name`; tool_call if unset)."""
+    meta = t.metadata.get("environment")
+    return str(meta.get("name", "tool_call")) if isinstance(meta, dict) else "tool_call"
+
+
+def tool_specs(t: Trajectory) -> tuple[list[dict[str, Any]], list[str]]:
+    """The trajectory's tools as a task stores them, and the names marked unsafe."""
+    tools = [tool.model_dump(mode="json", exclude_none=True) for tool in t.tools]
+    return tools, sorted(d["name"] for d in tools if d.get("x-unsafe"))
+
+
+def new_task(env: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+             verifier: VerifierSpec, *, failure_mode: FailureMode,
+             holdout_fraction: float) -> TaskSpec:
+    """The task with its fingerprint, the id derived from it, and its split."""
+    fp = fingerprint(env, messages, [d["name"] for d in tools], verifier)
+    return TaskSpec(task_id=uuid.uuid5(TASK_ID_NAMESPACE, fp), env=env, messages=messages,
+                    tools=tools, verifier=verifier, failure_mode=failure_mode, fingerprint=fp,
+                    split=split_of(fp, holdout_fraction))
+
+
 def build_task(t: Trajectory, c: Classification, *, retry: Trajectory | None = None,
                holdout_fraction: float = 0.2) -> TaskSpec | Unverifiable:
     env_meta = t.metadata.get("environment")
-    env = env_meta.get("name", "tool_call") if isinstance(env_meta, dict) else "tool_call"
-    tools = [tool.model_dump(mode="json", exclude_none=True) for tool in t.tools]
-    unsafe = sorted(d["name"] for d in tools if d.get("x-unsafe"))
+    env = environment_name(t)
+    tools, unsafe = tool_specs(t)
     start = _first_action(t)
     verifier: VerifierSpec
     if env == "code":
@@ -186,7 +208,5 @@ def build_task(t: Trajectory, c: Classification, *, retry: Trajectory | None = N
             return Unverifiable(f"unknown environment {env!r}")
     if not any(m["role"] == "user" for m in messages):
         return Unverifiable("no user request before the failing decision")
-    fp = fingerprint(env, messages, [d["name"] for d in tools], verifier)
-    return TaskSpec(task_id=uuid.uuid5(TASK_ID_NAMESPACE, fp), env=env, messages=messages,
-                    tools=tools, verifier=verifier, failure_mode=c.mode, fingerprint=fp,
-                    split=split_of(fp, holdout_fraction))
+    return new_task(env, messages, tools, verifier, failure_mode=c.mode,
+                    holdout_fraction=holdout_fraction)

@@ -31,16 +31,14 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from flywheel.mining.build import (
-    TASK_ID_NAMESPACE,
-    Unverifiable,
-    build_task,
-    expected_calls,
-    fingerprint,
+    environment_name,
+    new_task,
     request_key,
     split_of,
     to_messages,
+    tool_specs,
 )
-from flywheel.mining.classify import classify_failure, parse_arguments
+from flywheel.mining.classify import parse_arguments
 from flywheel.rollout.prompt import build_prompt
 from flywheel.schemas import (
     FunctionCallItem,
@@ -125,14 +123,9 @@ def demonstration_from_task(task: TaskSpec, source: uuid.UUID) -> Demonstration 
                          fingerprint=task.fingerprint, env=task.env)
 
 
-def _environment(t: Trajectory) -> str:
-    meta = t.metadata.get("environment")
-    return str(meta.get("name", "tool_call")) if isinstance(meta, dict) else "tool_call"
-
-
 def success_task(t: Trajectory) -> TaskSpec | None:
     """The task the miner would build had this success's first call been the failing one."""
-    if t.is_failure or _environment(t) != "tool_call" or not t.tools:
+    if t.is_failure or environment_name(t) != "tool_call" or not t.tools:
         return None
     first = next(((n, i) for n, i in enumerate(t.items) if isinstance(i, FunctionCallItem)),
                  None)
@@ -144,34 +137,19 @@ def success_task(t: Trajectory) -> TaskSpec | None:
     args = parse_arguments(call.arguments)
     if args is None or (output is not None and output.status != "ok"):
         return None
-    # The same serialization and verifier as `build_task`, so the fingerprints agree.
-    tools = [tool.model_dump(mode="json", exclude_none=True) for tool in t.tools]
-    unsafe = sorted(d["name"] for d in tools if d.get("x-unsafe"))
-    messages = to_messages(t.items[:step])
+    # The same serialization and verifier as `build_task`, so the fingerprints agree; mode
+    # and split are placeholders (build_prompt reads only messages, tools and verifier).
+    tools, unsafe = tool_specs(t)
     verifier = ToolCallSpec(expected=ExpectedCall(name=call.name, arguments=args),
                             unsafe_tools=unsafe)
-    fp = fingerprint("tool_call", messages, [d["name"] for d in tools], verifier)
-    # build_prompt reads only messages, tools and verifier: mode and split are placeholders.
-    return TaskSpec(task_id=uuid.uuid5(TASK_ID_NAMESPACE, fp), env="tool_call",
-                    messages=messages, tools=tools, verifier=verifier, failure_mode="other",
-                    fingerprint=fp, split="train")
+    return new_task("tool_call", to_messages(t.items[:step]), tools, verifier,
+                    failure_mode="other", holdout_fraction=0.0)
 
 
-def demonstrations_from_record(t: Trajectory, *, retry: Trajectory | None = None
-                               ) -> list[Demonstration]:
-    """A success's first call, or a failure's corrected call; nothing for an uncorrected
-    failure (`retry`: the later successful attempt at the same request, if any)."""
-    if not t.is_failure:
-        task: TaskSpec | Unverifiable | None = success_task(t)
-    else:
-        found = expected_calls(t, retry)
-        if found is None or _environment(t) != "tool_call":
-            return []
-        task = build_task(t, classify_failure(t, found[0]), retry=retry)
-    if not isinstance(task, TaskSpec):
-        return []
-    demo = demonstration_from_task(task, t.trajectory_id)
-    return [demo] if demo is not None else []
+def success_demonstration(t: Trajectory) -> Demonstration | None:
+    """A success's first call (corrected failures come from their train tasks instead)."""
+    task = success_task(t)
+    return None if task is None else demonstration_from_task(task, t.trajectory_id)
 
 
 def select(candidates: Iterable[Candidate], held: HeldOut, *,
@@ -239,8 +217,9 @@ async def _success_candidates(conn: AsyncConnection) -> list[Candidate]:
     for _id, record in (await conn.execute(_SUCCESSES)).all():
         # `trajectories.record` may be the payload as sent (chat format, extra fields).
         t = parse_trajectory(record)
-        out += [Candidate(d, (t.trajectory_id,), tuple(_request(record)))
-                for d in demonstrations_from_record(t)]
+        demo = success_demonstration(t)
+        if demo is not None:
+            out.append(Candidate(demo, (t.trajectory_id,), tuple(_request(record))))
     return out
 
 
