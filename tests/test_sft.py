@@ -256,3 +256,19 @@ def test_sft_step_is_the_same_update_whatever_the_micro_batch() -> None:
     assert ma["loss"] == pytest.approx(mb["loss"], rel=1e-6) and ma["tokens"] == 6
     after, _, _ = completion_loss(a, collate(EXAMPLES, pad_id=0))
     assert float(after.detach()) / 6 < ma["loss"]  # the step lowered the loss it reported
+
+
+def test_sft_batches_shuffle_once_wrap_around_and_never_repeat_within_a_batch() -> None:
+    from flywheel.trainer.sft import sft_batches
+
+    batches = list(sft_batches(list(range(10)), steps=4, batch=4))
+    assert [len(b) for b in batches] == [4, 4, 4, 4]
+    assert all(len(set(b)) == len(b) for b in batches)
+    flat = [x for b in batches for x in b]
+    assert sorted(flat[:10]) == list(range(10))   # one pass over all before any repeat
+    assert flat[10:] == flat[:6]                  # then the same order again
+    assert flat[:10] != list(range(10))            # shuffled (fixed seed)
+    assert batches == list(sft_batches(list(range(10)), steps=4, batch=4))
+    few = list(sft_batches([1, 2], steps=2, batch=8))  # fewer demonstrations than a batch
+    assert len(few) == 2 and all(sorted(b) == [1, 2] for b in few)
+    assert list(sft_batches([], steps=3, batch=8)) == []

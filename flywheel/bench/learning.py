@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from flywheel.config import TrainerSettings
 from flywheel.environments import load_environment
 from flywheel.events import GroupScoredPayload
 from flywheel.policy.base import AdapterRef
@@ -66,6 +67,7 @@ async def _run(steps: int, tasks_n: int, batch: int, group_size: int, max_tokens
     from flywheel.policy.model_cache import resolve_model_dir
     from flywheel.trainer.engine import LoRASpec, LoRATrainer
     from flywheel.trainer.grpo import GRPOConfig
+    from flywheel.trainer.sft import sft_batches
 
     model_dir = resolve_model_dir(None)
     policy = LocalPolicy(model_dir)
@@ -83,9 +85,9 @@ async def _run(steps: int, tasks_n: int, batch: int, group_size: int, max_tokens
         seen = {json.dumps(t.messages) for t in tasks}
         demos = [d for t in fixed_tasks(8 * 8, seed=1) if json.dumps(t.messages) not in seen
                  for d in [demonstration_from_task(t, uuid.uuid4())] if d is not None]
-        for step in range(sft_steps):
-            chunk = [demos[(step * 8 + i) % len(demos)] for i in range(8)]
-            await asyncio.to_thread(trainer.sft_step, chunk, lr=1e-3)
+        t = TrainerSettings()  # the trainer's warm-start batch and learning rate
+        for chunk in sft_batches(demos, sft_steps, t.sft_batch):
+            await asyncio.to_thread(trainer.sft_step, chunk, lr=t.sft_lr)
         trainer.reset_optimizer()  # GRPO starts with fresh moments, as in the trainer
         await asyncio.to_thread(trainer.save, work / "sft")
         adapter = AdapterRef("policy", 0, work / "sft")

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM
 from flywheel.events import GroupScoredPayload
 from flywheel.mining.demos import Demonstration
 from flywheel.policy.local import token_logprobs
+from flywheel.trainer.distributed import Ranks, rank_device
 from flywheel.trainer.grpo import GRPOConfig, group_advantages, grpo_loss, pad_batch
 from flywheel.trainer.prefix import (
     EncodedPrompt,
@@ -37,9 +38,6 @@ from flywheel.trainer.prefix import (
     shared_prefix_len,
 )
 from flywheel.trainer.sft import encode_demonstration, end_of_turn_ids, sft_step
-
-if TYPE_CHECKING:
-    from flywheel.trainer.distributed import Ranks
 
 STATE_FILE = "trainer_state.pt"
 
@@ -113,8 +111,7 @@ class LoRATrainer:
                  grad_clip: float = 1.0, micro_batch: int = 4,
                  resume_from: Path | None = None, device: str = "auto") -> None:
         # One GPU when there is one (`auto`); the LoRA parameters and the loss stay fp32.
-        self.device = torch.device(
-            ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+        self.device = rank_device(device, 0)
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         base.to(self.device)  # type: ignore[arg-type]  # transformers types .to() narrowly
         self.pad_id = int(base.config.pad_token_id or base.config.eos_token_id or 0)

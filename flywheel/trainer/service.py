@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 import os
-import random
 import shutil
 import tempfile
 import time
@@ -165,20 +164,19 @@ class TrainerService:
             log.warning("SFT recommended but there are no demonstrations (successful or "
                         "corrected trajectories) yet: starting GRPO from the base model")
             return None
-        order = random.Random(0).sample(demos, len(demos))
         # Sampling is held while the warm start runs (see the scheduler) and the gate is
         # idle once the baseline is in: the trainer may use every core meanwhile.
-        await self._sft(order, len(demos))
+        await self._sft(demos)
         # GRPO starts with fresh optimizer moments, resumed or not (the state is published).
         await asyncio.to_thread(self.trainer.reset_optimizer)
         return await self.publish(None, stage="sft", demos=len(demos))
 
-    async def _sft(self, order: list[Any], demos: int) -> None:
+    async def _sft(self, demos: list[Any]) -> None:
+        from flywheel.trainer.sft import sft_batches
+
         t = self.settings.trainer
-        for step in range(t.sft_steps):
-            start = (step * t.sft_batch) % len(order)
-            batch = (order + order)[start:start + min(t.sft_batch, len(order))]
-            self.status.detail = f"SFT step {step + 1}/{t.sft_steps} on {demos} demos"
+        for step, batch in enumerate(sft_batches(demos, t.sft_steps, t.sft_batch)):
+            self.status.detail = f"SFT step {step + 1}/{t.sft_steps} on {len(demos)} demos"
             metrics = await asyncio.to_thread(on_all_cores, self.trainer.sft_step, batch,
                                               lr=t.sft_lr)
             self.status.metrics = {f"sft_{k}": v for k, v in metrics.items()}

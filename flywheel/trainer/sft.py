@@ -11,10 +11,11 @@ Import this module lazily: it imports torch and transformers.
 
 from __future__ import annotations
 
+import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,7 @@ from flywheel.trainer.prefix import (
 if TYPE_CHECKING:
     from flywheel.trainer.distributed import Ranks
 
+T = TypeVar("T")
 IGNORE = -100
 """Label of a token that carries no loss (PyTorch's cross-entropy `ignore_index`)."""
 
@@ -61,6 +63,17 @@ def encode_demonstration(tokenizer: Any, demo: Demonstration,
     # prompt and can never merge with the completion's first characters.
     completion = [*tokenizer(demo.completion, add_special_tokens=False)["input_ids"], *end_ids]
     return SFTExample([*prompt, *completion], [IGNORE] * len(prompt) + completion)
+
+
+def sft_batches(demos: Sequence[T], steps: int, batch: int, *, seed: int = 0
+                ) -> Iterator[list[T]]:
+    """The warm start's batches: the demonstrations shuffled once (fixed seed), then taken in
+    order, wrapping around; a batch never holds one demonstration twice."""
+    order = random.Random(seed).sample(list(demos), len(demos))
+    size = min(batch, len(order))
+    for step in range(steps if order else 0):
+        start = step * batch
+        yield [order[(start + i) % len(order)] for i in range(size)]
 
 
 def collate(examples: Sequence[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
