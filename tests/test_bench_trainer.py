@@ -28,3 +28,16 @@ def test_pipeline_side_trains_one_version_per_step() -> None:
     assert len(fw["train_step_s"]) == 2
     assert fw["staleness"][0] == 0 and max(fw["staleness"]) <= 1
     assert out["trl"]["error"].startswith("skipped")
+
+
+@pytest.mark.slow
+def test_prefix_bench_times_both_paths_on_real_prompts() -> None:
+    from flywheel.bench.prefix import run_prefix_bench
+
+    out = run_prefix_bench(batch=2, group_size=2, tokens=4)
+    assert out["prompt_tokens"] > 100  # the real tool_call prompt, not a stand-in
+    assert out["sft_examples"] == 4
+    for side in ("grpo", "sft"):
+        assert out[f"{side}_full_s"] > 0 and out[f"{side}_shared_s"] > 0
+        ratio = out[f"{side}_full_s"] / out[f"{side}_shared_s"]
+        assert abs(out[f"{side}_speedup"] - ratio) < 0.02  # both from the unrounded times

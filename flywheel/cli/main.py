@@ -313,6 +313,21 @@ def bench_learning(
     print_result(result, as_json)
 
 
+@bench_app.command("prefix")
+def bench_prefix(
+    batch: Annotated[int, typer.Option(help="B: prompts (groups) per step.")] = 4,
+    group_size: Annotated[int, typer.Option(help="G: completions per prompt.")] = 8,
+    tokens: Annotated[int, typer.Option(help="Tokens per completion.")] = 32,
+    repeats: Annotated[int, typer.Option(help="Timed runs per side (best counts).")] = 1,
+    as_json: JsonOpt = False,
+) -> None:
+    """A GRPO and an SFT step: each prompt run once vs every prompt + completion in full."""
+    from flywheel.bench.prefix import run_prefix_bench
+
+    print_result(run_prefix_bench(batch=batch, group_size=group_size, tokens=tokens,
+                                  repeats=repeats), as_json)
+
+
 @bench_app.command("trainer")
 def bench_trainer(
     steps: Annotated[int, typer.Option(help="GRPO steps on each side.")] = 3,
