@@ -4,8 +4,8 @@ the untuned model emit the JSON tool-call format on requests it never saw.
 Train and held-out requests are disjoint (other cities, people and ticket numbers); both are
 sampled through `LocalPolicy` and the rollout loop with fixed seeds, at the GRPO sampling
 temperature. Measured on 2 shared CPU cores (~110 s: evaluations ~55, SFT ~50): valid JSON
-0.08 → 0.92 and right tool 0.00 → 0.58 after 5 steps of 8 at lr 1e-3 (with 10 steps, right
-tool reaches ~0.9; at lr 5e-4, 5 steps give valid JSON ~0.75).
+0.08 → 0.92 and right tool 0.00 → 0.58 after 5 steps of 8 at lr 1e-3 (right tool 0.75 after
+10 steps and 1.00 after 15; see docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
