@@ -36,8 +36,8 @@ async def group_lag(bootstrap: str, group_id: str, topic: str) -> dict[int, int]
     """Per-partition lag of `group_id` on `topic` (uncommitted partitions count from 0)."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group_id,
                                 enable_auto_commit=False)
-    await consumer.start()
-    try:
+    try:  # stopped even when starting fails (broker down) or is cancelled
+        await consumer.start()
         parts = consumer.partitions_for_topic(topic)
         if not parts:
             await consumer._client.force_metadata_update()

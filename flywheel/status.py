@@ -8,6 +8,7 @@ never disagree.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from aiokafka.errors import KafkaError
@@ -77,6 +78,7 @@ FROM evaluations WHERE policy = :p ORDER BY version, created_at DESC
 TRAINER_DOWN_AFTER_S = 30.0
 """A trainer heartbeat older than this reads as state `down`."""
 LAG_TIMEOUT_S = 5.0
+LAG_CACHE_S = 3.0
 
 
 async def counts(conn: AsyncConnection) -> dict[str, Any]:
@@ -114,14 +116,27 @@ async def lag(settings: Settings) -> dict[str, dict[str, Any]]:
             for (group, topic), parts in zip(pairs, found, strict=True)}
 
 
+_lag_cache: dict[tuple[Any, ...], tuple[float, tuple[dict[str, Any], str | None]]] = {}
+
+
 async def lag_or_error(settings: Settings) -> tuple[dict[str, dict[str, Any]], str | None]:
     """`lag`, or ({}, why) when no broker is configured or it does not answer within
-    `LAG_TIMEOUT_S`: a status page must still show what Postgres knows while Kafka is down."""
+    `LAG_TIMEOUT_S`: a status page must still show what Postgres knows while Kafka is down.
+
+    Reading lag opens a consumer per group; the answer is reused for `LAG_CACHE_S`, so
+    dashboard tabs and scrapers polling the API at once do not each pay for it."""
+    key = (settings.kafka.bootstrap, settings.home, tuple(consumer_groups(settings)))
+    now = time.monotonic()
+    hit = _lag_cache.get(key)
+    if hit is not None and now - hit[0] < LAG_CACHE_S:
+        return hit[1]
     try:
         async with asyncio.timeout(LAG_TIMEOUT_S):
-            return await lag(settings), None
+            result: tuple[dict[str, Any], str | None] = (await lag(settings), None)
     except (KafkaError, OSError, TimeoutError, StackNotRunning) as err:
-        return {}, f"consumer lag unavailable: {str(err) or type(err).__name__}"
+        result = {}, f"consumer lag unavailable: {str(err) or type(err).__name__}"
+    _lag_cache[key] = (time.monotonic(), result)
+    return result
 
 
 async def collect(settings: Settings) -> dict[str, Any]:
