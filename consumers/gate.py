@@ -24,11 +24,11 @@ from faststream import AckPolicy, FastStream
 from faststream.kafka import KafkaBroker
 from faststream.message import StreamMessage
 
+from flywheel.adapters.lifecycle import LifecycleError
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
 from flywheel.events import AdapterTrained, parse_event
 from flywheel.gate.evaluate import NoEvalSet
-from flywheel.gate.lifecycle import LifecycleError
 from flywheel.gate.service import GateService, describe
 from flywheel.policy.factory import make_policy
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url

@@ -36,9 +36,9 @@ from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponen
 
 from flywheel.config import Settings, Topics
 from flywheel.db.engine import make_engine
-from flywheel.db.repo import append_events, insert_dead_letters, insert_trajectories
+from flywheel.db.outbox import append_events
 from flywheel.events import Event
-from flywheel.ingest import (
+from flywheel.ingest.decode import (
     Accepted,
     RawRecord,
     Rejected,
@@ -46,6 +46,7 @@ from flywheel.ingest import (
     dead_letter_event,
     ingested_event,
 )
+from flywheel.ingest.store import insert_dead_letters, insert_trajectories
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
 from flywheel.runtime.service import run_faststream
 

@@ -22,7 +22,7 @@ from faststream.message import StreamMessage
 
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
-from flywheel.ingest import decode
+from flywheel.ingest.decode import decode
 from flywheel.mining.service import mine_batch
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
 from flywheel.runtime.service import run_faststream

@@ -20,16 +20,12 @@ from faststream import AckPolicy, FastStream
 from faststream.kafka import KafkaBroker
 from faststream.message import StreamMessage
 
+from flywheel.adapters.resolver import AdapterResolver
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
 from flywheel.events import RolloutRequested, parse_event
 from flywheel.policy.factory import make_policy
-from flywheel.rollout.service import (
-    AdapterResolver,
-    fail_request,
-    handle_request,
-    worker_name,
-)
+from flywheel.rollout.service import fail_request, handle_request, worker_name
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
 from flywheel.runtime.service import run_faststream
 

@@ -106,19 +106,20 @@ def main() -> None:
         run_faststream(build_app)
         return
     from flywheel.trainer import distributed
+    from flywheel.trainer import ranks as process_group
 
     settings = Settings()
     rank = int(os.environ["RANK"])
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank {rank}] %(name)s "
                         "%(message)s" if rank else LOG_FORMAT)
-    ranks = distributed.init(settings.trainer.device, settings.trainer.dist_timeout_s)
+    ranks = process_group.init(settings.trainer.device, settings.trainer.dist_timeout_s)
     try:
         if ranks.rank == 0:
             run_faststream(lambda s: build_app(s, ranks))
         else:
             distributed.follow(ranks)
     finally:
-        distributed.close()
+        process_group.close()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from flywheel.trainer import distributed
+from flywheel.trainer import distributed, ranks as process_group
 from flywheel.trainer.engine import LoRASpec, LoRATrainer
 from flywheel.trainer.grpo import GRPOConfig
 
@@ -30,7 +30,7 @@ def run_ops(trainer: Any, ops: Sequence[tuple[str, Any]]) -> None:
 
 def main() -> None:
     data = pickle.loads(Path(sys.argv[1]).read_bytes())
-    ranks = distributed.init(sys.argv[3] if len(sys.argv) > 3 else "cpu", 300)
+    ranks = process_group.init(sys.argv[3] if len(sys.argv) > 3 else "cpu", 300)
     try:
         if ranks.rank:
             distributed.follow(ranks)
@@ -42,7 +42,7 @@ def main() -> None:
         leader.save(Path(sys.argv[2]))
         distributed.stop_followers()
     finally:
-        distributed.close()
+        process_group.close()
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flywheel.demo_watch import Progress, finished, summary
+from flywheel.demo.watch import Progress, finished, summary
 
 
 def _record(version: int, against: int | None, cand: float, base: float) -> dict[str, Any]:

@@ -18,20 +18,20 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
+from flywheel.adapters import lifecycle
+from flywheel.adapters.local import AdapterStore
+from flywheel.api.serving import ServingSync
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
-from flywheel.db.repo import append_events
+from flywheel.db.outbox import append_events
+from flywheel.demo.samples import TOOLS
 from flywheel.events import AdapterTrained, AdapterTrainedPayload
-from flywheel.gate import lifecycle
 from flywheel.gate.service import GateService
-from flywheel.kafka import ensure_topics
 from flywheel.mining.store import freeze_eval_set, store_task
 from flywheel.policy.local import LocalPolicy
 from flywheel.policy.model_cache import resolve_model_dir
-from flywheel.samples import TOOLS
-from flywheel.serving import ServingSync
+from flywheel.runtime.kafka import ensure_topics
 from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
-from flywheel.trainer.store import AdapterStore
 from tests.helpers import spawn, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.postgres]

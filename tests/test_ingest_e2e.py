@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from flywheel.config import Settings
-from flywheel.kafka import ensure_topics
-from flywheel.samples import bad_payloads, make_trajectory
+from flywheel.demo.samples import bad_payloads, make_trajectory
+from flywheel.runtime.kafka import ensure_topics
 from tests.helpers import dumps, produce, scalar, spawn, wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.postgres]

@@ -9,10 +9,10 @@ import asyncpg
 import pytest
 
 from flywheel.db.engine import make_engine
+from flywheel.demo.simulate import simulate
 from flywheel.mining import store
 from flywheel.mining.service import mine_batch
 from flywheel.schemas import parse_trajectory
-from flywheel.simulate import simulate
 from flywheel.tasks import FAILURE_MODES
 
 pytestmark = [pytest.mark.postgres]

@@ -8,10 +8,10 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from flywheel.api.status import collect
 from flywheel.config import Settings
-from flywheel.kafka import ensure_topics
-from flywheel.simulate import simulate
-from flywheel.status import collect
+from flywheel.demo.simulate import simulate
+from flywheel.runtime.kafka import ensure_topics
 from tests.helpers import produce, scalar, spawn, wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.postgres]

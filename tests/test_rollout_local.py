@@ -11,13 +11,13 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from flywheel.demo.samples import TOOLS
 from flywheel.environments import load_environment
 from flywheel.environments.workplace import WORKPLACE_TOOLS
 from flywheel.events import ScoredRollout
 from flywheel.policy.local import LocalPolicy
 from flywheel.policy.model_cache import resolve_model_dir
 from flywheel.rollout.loop import GroupConfig, run_group
-from flywheel.samples import TOOLS
 from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec, WorkplaceSpec
 
 pytestmark = [pytest.mark.slow]

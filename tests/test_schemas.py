@@ -9,9 +9,9 @@ import uuid
 import pytest
 from pydantic import ValidationError
 
+from flywheel.demo.samples import make_trajectory
 from flywheel.events import DeadLettered, DeadLetterPayload, parse_event
-from flywheel.ingest import decode
-from flywheel.samples import make_trajectory
+from flywheel.ingest.decode import decode
 from flywheel.schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,

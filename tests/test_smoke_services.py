@@ -2,7 +2,7 @@ import asyncpg
 import pytest
 
 from flywheel.config import Settings
-from flywheel.kafka import ensure_topics
+from flywheel.runtime.kafka import ensure_topics
 from flywheel.runtime.postgres import LocalPostgres
 
 

@@ -16,20 +16,20 @@ import asyncpg
 import pytest
 from aiokafka import AIOKafkaProducer
 
+from flywheel.adapters.local import AdapterStore, CorruptAdapter
 from flywheel.config import Settings, settings_env
 from flywheel.db.engine import make_engine
+from flywheel.demo.samples import TOOLS
 from flywheel.environments import load_environment
+from flywheel.environments.prompt import TOOL_PREFILL
 from flywheel.events import GroupScored, GroupScoredPayload
-from flywheel.kafka import ensure_topics
 from flywheel.mining.demos import Demonstration
 from flywheel.mining.store import store_task
 from flywheel.policy.local import LocalPolicy
 from flywheel.policy.model_cache import resolve_model_dir
 from flywheel.rollout.loop import GroupConfig, run_group
-from flywheel.rollout.prompt import TOOL_PREFILL
-from flywheel.samples import TOOLS
+from flywheel.runtime.kafka import ensure_topics
 from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
-from flywheel.trainer.store import AdapterStore, CorruptAdapter
 from tests.helpers import scalar, spawn
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.postgres]
@@ -131,10 +131,10 @@ def test_torchrun_ranks_take_the_single_process_step(
     import torch
     from safetensors.torch import load_file
 
-    from flywheel.trainer.distributed import balance
     from flywheel.trainer.engine import LoRASpec, LoRATrainer, samples_from_groups
     from flywheel.trainer.grpo import GRPOConfig
     from flywheel.trainer.prefix import by_prompt
+    from flywheel.trainer.ranks import balance
     from tests.dist_trainer_worker import run_ops
 
     model_dir = resolve_model_dir(None)

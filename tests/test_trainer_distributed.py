@@ -10,7 +10,7 @@ import torch
 
 from flywheel.config import Settings, TrainerSettings
 from flywheel.runtime.stack import service_argv
-from flywheel.trainer.distributed import balance, rank_device
+from flywheel.trainer.ranks import balance, rank_device
 
 
 def test_balance_gives_every_item_to_exactly_one_rank_and_evens_the_load() -> None:

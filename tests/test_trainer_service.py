@@ -14,9 +14,9 @@ from sqlalchemy import text
 
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
+from flywheel.demo.samples import TOOLS
 from flywheel.events import GroupScored, GroupScoredPayload, ScoredRollout
 from flywheel.mining.store import store_task
-from flywheel.samples import TOOLS
 from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
 from flywheel.trainer.service import TrainerService
 

@@ -10,12 +10,12 @@ from sqlalchemy import text
 
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
+from flywheel.demo.simulate import simulate
 from flywheel.events import GateMetrics
 from flywheel.gate.baseline import store_baseline
 from flywheel.policy.model_cache import resolve_model_dir
-from flywheel.simulate import simulate
 from flywheel.trainer.service import TrainerService
-from tests.test_demos_db import _ingest_and_mine
+from tests.test_mining_demos_db import _ingest_and_mine
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 

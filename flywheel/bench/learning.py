@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.config import TrainerSettings
+from flywheel.demo.samples import TOOLS, _request
 from flywheel.environments import load_environment
 from flywheel.events import GroupScoredPayload
 from flywheel.policy.base import AdapterRef
 from flywheel.rollout.loop import GroupConfig, run_group
-from flywheel.samples import TOOLS, _request
 from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
 
 

@@ -33,10 +33,10 @@ def run_prefix_bench(*, batch: int = 4, group_size: int = 8, tokens: int = 32,
 
     from flywheel.bench.learning import fixed_tasks
     from flywheel.config import TrainerSettings
+    from flywheel.environments.prompt import build_prompt
     from flywheel.mining.demos import demonstration_from_task
     from flywheel.policy.local import chat_prompt_ids
     from flywheel.policy.model_cache import resolve_model_dir
-    from flywheel.rollout.prompt import build_prompt
     from flywheel.trainer.engine import LoRASpec, LoRATrainer, Sample
     from flywheel.trainer.grpo import GRPOConfig
     from flywheel.trainer.sft import encode_demonstration, end_of_turn_ids, sft_backward

@@ -23,12 +23,12 @@ import asyncpg
 from flywheel.bench.stack import temp_stack
 from flywheel.config import RolloutSettings, Settings, settings_env
 from flywheel.db.engine import make_engine
+from flywheel.demo.simulate import simulate
+from flywheel.environments.prompt import build_prompt
 from flywheel.mining.service import mine_batch
 from flywheel.policy.base import SamplingParams
-from flywheel.rollout.prompt import build_prompt
 from flywheel.rollout.store import request_rollouts
 from flywheel.schemas import parse_trajectory
-from flywheel.simulate import simulate
 from flywheel.tasks import TaskSpec
 
 

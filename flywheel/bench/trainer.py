@@ -42,10 +42,10 @@ from typing import Any
 
 from flywheel.bench.learning import fixed_tasks
 from flywheel.environments import load_environment
+from flywheel.environments.prompt import build_prompt
 from flywheel.events import GroupScoredPayload
 from flywheel.policy.base import AdapterRef
 from flywheel.rollout.loop import GroupConfig, run_group
-from flywheel.rollout.prompt import build_prompt
 from flywheel.tasks import RolloutNotRun, TaskSpec
 
 TRL_MISSING = "TRL is not installed: `pip install -e '.[bench]'` (or `pip install trl`)"

@@ -100,8 +100,8 @@ def migrate() -> None:
 @app.command()
 def status(as_json: JsonOpt = False) -> None:
     """Pipeline counts and consumer lag."""
+    from flywheel.api.status import collect
     from flywheel.runtime.endpoints import StackNotRunning
-    from flywheel.status import collect
 
     try:
         data = asyncio.run(collect(_settings()))
@@ -130,8 +130,8 @@ def publish(
     as_json: JsonOpt = False,
 ) -> None:
     """Publish trajectories (flywheel v1 or Chat Completions, auto-detected per line)."""
-    from flywheel.publish import publish_lines
     from flywheel.runtime.endpoints import StackNotRunning
+    from producers.replay import publish_lines
 
     if file != "-" and not Path(file).exists():
         _fail(f"no such file: {file}")
@@ -178,7 +178,7 @@ def simulate(
                                               "transcripts.")] = 0.2,
 ) -> None:
     """Write realistic agent trajectories as JSONL to stdout (pipe into `flywheel publish -`)."""
-    from flywheel.simulate import simulate as run
+    from flywheel.demo.simulate import simulate as run
 
     out = sys.stdout
     for record in run(n, agents=agents, failure_rate=failure_rate, seed=seed,
@@ -358,7 +358,7 @@ def demo(keep: Annotated[bool, typer.Option(help="Leave the stack running afterw
          ) -> None:
     """The whole loop on the embedded default: trajectories → tasks → baseline → SFT/GRPO →
     gate → promotion decisions; writes .flywheel/demo-summary.json."""
-    from flywheel.demo import run_demo
+    from flywheel.demo.run import run_demo
 
     raise typer.Exit(run_demo(_settings(), keep=keep, minutes=minutes))
 

@@ -14,8 +14,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from flywheel.adapters.lifecycle import version_label
 from flywheel.cli.common import JsonOpt, _db_call, _fail, _settings, console, print_result
-from flywheel.gate.lifecycle import version_label
 
 promotions_app = typer.Typer(no_args_is_help=True,
                              help="Gate decisions: review, approve, reject.")
@@ -29,7 +29,7 @@ def _actor() -> str:
 
 
 def _lifecycle_call(fn: Any) -> Any:
-    from flywheel.gate.lifecycle import LifecycleError
+    from flywheel.adapters.lifecycle import LifecycleError
 
     try:
         return _db_call(fn)
@@ -38,12 +38,12 @@ def _lifecycle_call(fn: Any) -> Any:
 
 
 def _evaluation_id(conn: Any, ref: str) -> Any:
-    from flywheel.gate.queries import resolve_evaluation
+    from flywheel.adapters.queries import resolve_evaluation
 
     async def go() -> Any:
         found = await resolve_evaluation(conn, ref)
         if found is None:
-            from flywheel.gate.lifecycle import NotFound
+            from flywheel.adapters.lifecycle import NotFound
 
             raise NotFound(f"no single evaluation matches {ref!r}: see `flywheel promotions ls`")
         return found
@@ -56,7 +56,7 @@ def promotions_ls(state: Annotated[str | None, typer.Option(
         help="pending, promoted, rejected or superseded")] = None,
         as_json: JsonOpt = False) -> None:
     """Gate decision records, newest first."""
-    from flywheel.gate.queries import list_evaluations
+    from flywheel.adapters.queries import list_evaluations
 
     policy = _settings().rollout.policy
     rows = _db_call(lambda conn: list_evaluations(conn, policy, state=state))
@@ -77,7 +77,7 @@ def promotions_ls(state: Annotated[str | None, typer.Option(
 @promotions_app.command("show")
 def promotions_show(evaluation: str, as_json: JsonOpt = False) -> None:
     """One decision record: both sides' metrics, thresholds, test, reasons."""
-    from flywheel.gate.queries import get_evaluation
+    from flywheel.adapters.queries import get_evaluation
 
     async def go(conn: Any) -> Any:
         return await get_evaluation(conn, await _evaluation_id(conn, evaluation))
@@ -91,7 +91,7 @@ def promotions_approve(evaluation: str, reason: Reason,
                            help="Promote against the gate's reject recommendation.")] = False,
                        as_json: JsonOpt = False) -> None:
     """Promote the evaluated candidate (manual mode, or overriding with --force)."""
-    from flywheel.gate.lifecycle import approve
+    from flywheel.adapters.lifecycle import approve
 
     topic = _settings().topics.adapters
 
@@ -111,7 +111,7 @@ def promotions_approve(evaluation: str, reason: Reason,
 @promotions_app.command("reject")
 def promotions_reject(evaluation: str, reason: Reason, as_json: JsonOpt = False) -> None:
     """Reject the evaluated candidate."""
-    from flywheel.gate.lifecycle import reject
+    from flywheel.adapters.lifecycle import reject
 
     topic = _settings().topics.adapters
 
@@ -130,7 +130,7 @@ def promotions_reject(evaluation: str, reason: Reason, as_json: JsonOpt = False)
 @adapters_app.command("ls")
 def adapters_ls(as_json: JsonOpt = False) -> None:
     """Every version: lineage, stage, status, holdout success; production marked."""
-    from flywheel.gate.queries import list_adapters, production
+    from flywheel.adapters.queries import list_adapters, production
 
     policy = _settings().rollout.policy
 
@@ -157,7 +157,7 @@ def adapters_ls(as_json: JsonOpt = False) -> None:
 @adapters_app.command("show")
 def adapters_show(version: int, as_json: JsonOpt = False) -> None:
     """One version: manifest facts, its events (audit trail) and its evaluations."""
-    from flywheel.gate.queries import get_adapter
+    from flywheel.adapters.queries import get_adapter
 
     policy = _settings().rollout.policy
     found = _db_call(lambda conn: get_adapter(conn, policy, version))
@@ -173,7 +173,7 @@ def adapters_rollback(reason: Reason,
                           "previous production version.")] = None,
                       as_json: JsonOpt = False) -> None:
     """Re-point production to an earlier promoted version; serving follows."""
-    from flywheel.gate.lifecycle import BASE, rollback
+    from flywheel.adapters.lifecycle import BASE, rollback
 
     target: int | None = None
     if to is not None:
@@ -206,8 +206,8 @@ def adapters_evaluate(version: int, as_json: JsonOpt = False) -> None:
     again). Loads the policy engine in this process."""
     import asyncio
 
+    from flywheel.adapters.lifecycle import LifecycleError
     from flywheel.db.engine import make_engine
-    from flywheel.gate.lifecycle import LifecycleError
     from flywheel.gate.service import GateService
     from flywheel.policy.factory import make_policy
     from flywheel.runtime.endpoints import resolve_db_url
@@ -238,8 +238,8 @@ def adapters_evaluate(version: int, as_json: JsonOpt = False) -> None:
 
 def replay(as_json: JsonOpt = False) -> None:
     """Drop the adapter-lifecycle projections and rebuild them from the event log."""
-    from flywheel.gate.lifecycle import replay as rebuild
-    from flywheel.gate.lifecycle import snapshot
+    from flywheel.adapters.lifecycle import replay as rebuild
+    from flywheel.adapters.lifecycle import snapshot
 
     async def go(conn: Any) -> Any:
         before = await snapshot(conn)

@@ -34,45 +34,10 @@ from flywheel.environments.base import (
     unsafe_names,
 )
 from flywheel.environments.matching import arguments_match
+from flywheel.environments.prompt import InvalidCall, parse_tool_call
 from flywheel.tasks import RolloutNotRun, ToolCallSpec, VerifierResult
 
 WEIGHTS = {"valid_json": 0.1, "right_tool": 0.3, "arguments": 0.6}
-
-
-class InvalidCall(ValueError):
-    """The output is not one JSON tool call; the message says what is wrong."""
-
-
-def _unfence(text: str) -> str:
-    if not text.startswith("```"):
-        return text
-    body = text.split("\n", 1)[1] if "\n" in text else ""
-    close = body.find("```")
-    return (body if close < 0 else body[:close]).strip()
-
-
-def parse_tool_call(text: str) -> tuple[str, dict[str, Any], str]:
-    """(tool name, arguments, trailing text) of the call in `text`, or InvalidCall."""
-    body = _unfence(text.strip())
-    if not body.startswith("{"):
-        raise InvalidCall("output must start with a JSON object like "
-                          '{"tool": "name", "arguments": {...}}')
-    try:
-        obj, end = json.JSONDecoder().raw_decode(body)
-    except json.JSONDecodeError as exc:
-        raise InvalidCall(f"not valid JSON: {exc}") from None
-    name = obj.get("tool", obj.get("name"))
-    if not isinstance(name, str) or not name.strip():
-        raise InvalidCall('the object needs a string "tool" (or "name") naming the tool')
-    args = obj.get("arguments", {})
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise InvalidCall(f'"arguments" is a string but not JSON: {exc}') from None
-    if not isinstance(args, dict):
-        raise InvalidCall(f'"arguments" must be a JSON object, got {type(args).__name__}')
-    return name.strip(), args, body[end:].strip()
 
 
 def verify_tool_call(spec: ToolCallSpec, output: str,

@@ -14,9 +14,10 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from flywheel.adapters import lifecycle
+from flywheel.adapters.resolver import AdapterResolver
 from flywheel.config import Settings
 from flywheel.events import AdapterEvaluatedPayload, AdapterTrainedPayload, Event
-from flywheel.gate import lifecycle
 from flywheel.gate.decision import EvalRun, decide
 from flywheel.gate.evaluate import (
     Holdout,
@@ -27,7 +28,6 @@ from flywheel.gate.evaluate import (
     store_run,
 )
 from flywheel.policy.base import Policy
-from flywheel.rollout.service import AdapterResolver
 
 log = logging.getLogger("flywheel.gate")
 

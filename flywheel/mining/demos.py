@@ -30,6 +30,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from flywheel.environments.prompt import build_prompt
 from flywheel.mining.build import (
     environment_name,
     new_task,
@@ -39,7 +40,6 @@ from flywheel.mining.build import (
     tool_specs,
 )
 from flywheel.mining.classify import parse_arguments
-from flywheel.rollout.prompt import build_prompt
 from flywheel.schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,

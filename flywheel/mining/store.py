@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from flywheel.db.repo import append_events
+from flywheel.db.outbox import append_events
 from flywheel.events import (
     EvalSetFrozen,
     EvalSetFrozenPayload,

@@ -20,10 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from flywheel.environments.base import Environment
-from flywheel.environments.tool_call import InvalidCall, parse_tool_call
+from flywheel.environments.prompt import InvalidCall, Prompt, build_prompt, parse_tool_call
 from flywheel.events import ScoredRollout, Turn
 from flywheel.policy.base import AdapterRef, Completion, Policy, PolicyError, SamplingParams
-from flywheel.rollout.prompt import Prompt, build_prompt
 from flywheel.tasks import RolloutNotRun, TaskSpec, VerifierResult
 
 

@@ -11,14 +11,14 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from flywheel.adapters.resolver import AdapterResolver
 from flywheel.config import Settings
 from flywheel.environments import load_environment
 from flywheel.events import RolloutRequestedPayload
 from flywheel.mining.store import HoldoutRefused, training_tasks
-from flywheel.policy.base import AdapterRef, Policy
+from flywheel.policy.base import Policy
 from flywheel.rollout import store
 from flywheel.rollout.loop import GroupConfig, GroupOutcome, run_group
-from flywheel.trainer.artifacts import artifact_store
 
 log = logging.getLogger("flywheel.rollout")
 
@@ -28,31 +28,6 @@ def group_config(settings: Settings) -> GroupConfig:
     return GroupConfig(group_size=r.group_size, max_tokens=r.max_tokens,
                        temperature=r.temperature, max_steps=r.max_steps,
                        rollout_timeout_s=r.rollout_timeout_s, min_scored=r.min_scored)
-
-
-class AdapterResolver:
-    """Registered adapter versions of the policy, fetched from the artifact store (S3) and
-    checksum-verified once per process: versions are immutable, so a verified reference
-    stays valid, and a tampered or truncated artifact is refused (`CorruptAdapter`)."""
-
-    def __init__(self, engine: AsyncEngine, settings: Settings) -> None:
-        self.engine, self.policy = engine, settings.rollout.policy
-        self.store = artifact_store(settings)
-        self._verified: dict[int, AdapterRef] = {}
-
-    async def __call__(self, version: int | None) -> AdapterRef | None:
-        if version is None:
-            return None
-        if version not in self._verified:
-            async with self.engine.connect() as conn:
-                registered = (await conn.execute(text(
-                    "SELECT 1 FROM adapter_versions WHERE policy = :p AND version = :v"),
-                    {"p": self.policy, "v": version})).scalar()
-            if registered is None:
-                raise LookupError(f"adapter {self.policy}@v{version} is not registered")
-            ref, _ = await asyncio.to_thread(self.store.load, self.policy, version)
-            self._verified[version] = ref
-        return self._verified[version]
 
 
 async def wait_for_admission(engine: AsyncEngine, settings: Settings,

@@ -12,7 +12,7 @@ import uuid
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from flywheel.db.repo import append_events
+from flywheel.db.outbox import append_events
 from flywheel.events import (
     GroupScored,
     GroupScoredPayload,

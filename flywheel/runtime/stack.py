@@ -40,7 +40,7 @@ SERVICES: dict[str, str] = {
     "trainer": "consumers.trainer",
     "gate": "consumers.gate",
     "relay": "producers.relay",
-    "api": "flywheel.cli.serve_api",
+    "api": "flywheel.api.server",
 }
 
 
@@ -129,7 +129,7 @@ class Stack:
     def start_infra(self) -> Settings:
         """Broker + Postgres + migrations + topics; returns settings pointing at them."""
         from flywheel.db import migrate
-        from flywheel.kafka import ensure_topics
+        from flywheel.runtime.kafka import ensure_topics
 
         self.logs.mkdir(parents=True, exist_ok=True)
         s = self.settings

@@ -27,7 +27,6 @@ from transformers import AutoModelForCausalLM
 from flywheel.events import GroupScoredPayload
 from flywheel.mining.demos import Demonstration
 from flywheel.policy.local import token_logprobs
-from flywheel.trainer.distributed import Ranks, rank_device
 from flywheel.trainer.grpo import GRPOConfig, group_advantages, grpo_loss, pad_batch
 from flywheel.trainer.prefix import (
     EncodedPrompt,
@@ -37,6 +36,7 @@ from flywheel.trainer.prefix import (
     encode_prompt,
     shared_prefix_len,
 )
+from flywheel.trainer.ranks import Ranks, rank_device
 from flywheel.trainer.sft import encode_demonstration, end_of_turn_ids, sft_step
 
 STATE_FILE = "trainer_state.pt"

@@ -27,10 +27,10 @@ from aiokafka.errors import KafkaError
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from flywheel.adapters.lifecycle import project
 from flywheel.config import Settings
-from flywheel.db.repo import append_events
+from flywheel.db.outbox import append_events
 from flywheel.events import AdapterTrained, AdapterTrainedPayload, GroupScored, parse_event
-from flywheel.gate.lifecycle import project
 from flywheel.trainer.grpo import GRPOConfig
 
 log = logging.getLogger("flywheel.trainer")
@@ -78,7 +78,7 @@ class TrainerService:
     def __init__(self, settings: Settings, engine: AsyncEngine, ranks: Any = None) -> None:
         """`ranks` (`flywheel.trainer.distributed.Ranks`): this is rank 0 of a torchrun job,
         and every step is shared with the follower ranks."""
-        from flywheel.trainer.artifacts import artifact_store
+        from flywheel.adapters.artifacts import artifact_store
 
         self.settings, self.engine, self.ranks = settings, engine, ranks
         self.policy = settings.rollout.policy

@@ -30,7 +30,7 @@ from flywheel.trainer.prefix import (
 )
 
 if TYPE_CHECKING:
-    from flywheel.trainer.distributed import Ranks
+    from flywheel.trainer.ranks import Ranks
 
 T = TypeVar("T")
 IGNORE = -100

@@ -1,0 +1,37 @@
+"""Registered adapter versions, fetched from the artifact store and verified once per process."""
+
+from __future__ import annotations
+
+import asyncio
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from flywheel.adapters.artifacts import artifact_store
+from flywheel.config import Settings
+from flywheel.policy.base import AdapterRef
+
+
+class AdapterResolver:
+    """Registered adapter versions of the policy, fetched from the artifact store (S3) and
+    checksum-verified once per process: versions are immutable, so a verified reference
+    stays valid, and a tampered or truncated artifact is refused (`CorruptAdapter`)."""
+
+    def __init__(self, engine: AsyncEngine, settings: Settings) -> None:
+        self.engine, self.policy = engine, settings.rollout.policy
+        self.store = artifact_store(settings)
+        self._verified: dict[int, AdapterRef] = {}
+
+    async def __call__(self, version: int | None) -> AdapterRef | None:
+        if version is None:
+            return None
+        if version not in self._verified:
+            async with self.engine.connect() as conn:
+                registered = (await conn.execute(text(
+                    "SELECT 1 FROM adapter_versions WHERE policy = :p AND version = :v"),
+                    {"p": self.policy, "v": version})).scalar()
+            if registered is None:
+                raise LookupError(f"adapter {self.policy}@v{version} is not registered")
+            ref, _ = await asyncio.to_thread(self.store.load, self.policy, version)
+            self._verified[version] = ref
+        return self._verified[version]

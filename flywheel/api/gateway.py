@@ -1,0 +1,297 @@
+"""HTTP gateway for agents that cannot speak Kafka: `POST /v1/trajectories` → Kafka.
+
+Publishes to `settings.topics.trajectories` (key = trajectory_id, value = the v1 JSON); writes
+nothing. Needs a token with the `publish` scope.
+
+The body is one trajectory, a JSON array of them, or `{"trajectories": [...]}`; each may be
+v1 or an OpenAI Chat Completions transcript, and gets a content-derived id when it has none.
+The whole request is validated before anything is sent: one bad record rejects the request
+and nothing is published. 202 is answered only after the broker acknowledged every record
+(acks=all). If the broker fails midway some records may already be on the topic; the client
+retries the whole request, which is safe because ingest dedupes on trajectory_id.
+
+Mount with `create_app(settings, routers=[gateway_router()], lifespan_hooks=[gateway_lifespan])`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from fastapi import APIRouter, FastAPI, HTTPException, Request, status
+from pydantic import BaseModel, ValidationError
+
+from flywheel.api.app import create_app, settings_of
+from flywheel.api.auth import Principal, require_scope
+from flywheel.config import Settings
+from flywheel.runtime.endpoints import resolve_bootstrap
+from flywheel.schemas import Trajectory, parse_trajectory
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 5
+"""What 503 answers tell clients to wait before retrying."""
+PUBLISH_TIMEOUT_MS = 10_000
+"""Longest wait for broker metadata or an ack: beyond it the client gets 503, not a hang."""
+_BODY_DOC = ("One trajectory, a JSON array of them, or {\"trajectories\": [...]}; each in v1"
+             " format or an OpenAI Chat Completions transcript (`messages`).")
+_REPORTED_RECORDS = 10  # a 422 lists this many bad records, then counts the rest
+_ERRORS_PER_RECORD = 3
+# Kafka's record framing (key, headers, batch header) on top of the value: the producer's
+# request limit must leave room for it so a value at exactly the payload limit still fits.
+_FRAMING_BYTES = 64 * 1024
+
+
+class Accepted(BaseModel):
+    accepted: int
+    """How many trajectories the broker acknowledged."""
+    trajectory_ids: list[str]
+    """Their ids, in request order (content-derived where the request had none)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    trajectory: Trajectory
+    value: bytes
+    """The exact bytes published: what ingest's size limit is checked against."""
+
+
+class Rejection(Exception):
+    """The request cannot be accepted as sent; `detail` says why and how to fix it."""
+
+    def __init__(self, status_code: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status_code = status_code
+        self.detail = detail
+
+
+# --- pure logic: bytes → validated records, or a rejection --------------------------------
+
+
+def _path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def describe_record_error(index: int, err: Exception) -> str:
+    """`trajectories[3].outcome.status: Input should be …` (the style of ingest's DLQ errors)."""
+    where = f"trajectories[{index}]"
+    if not isinstance(err, ValidationError):
+        return f"{where}: {err}"
+    errors = err.errors()
+    parts = [f"{where}{_path(tuple(e['loc']))}: {e['msg']}" for e in errors[:_ERRORS_PER_RECORD]]
+    more = len(errors) - _ERRORS_PER_RECORD
+    return "; ".join(parts) + (f"; and {more} more in {where}" if more > 0 else "")
+
+
+def split_records(doc: Any) -> list[Any]:
+    """The records of a decoded body: an object, an array, or `{"trajectories": [...]}`."""
+    if isinstance(doc, list):
+        return doc
+    if isinstance(doc, dict) and "trajectories" in doc:
+        extra = sorted(set(doc) - {"trajectories"})
+        if extra:
+            raise Rejection(422, f"unexpected field(s) {extra} next to 'trajectories': send"
+                                 " {\"trajectories\": [...]} alone, or a bare trajectory")
+        if not isinstance(doc["trajectories"], list):
+            raise Rejection(422, "'trajectories' must be a JSON array of trajectory objects")
+        records: list[Any] = doc["trajectories"]
+        return records
+    return [doc]
+
+
+def prepare(body: bytes, *, max_payload_bytes: int) -> list[Prepared]:
+    """Decode and validate a request body; all records are good, or `Rejection` is raised."""
+    try:
+        return _prepare(body, max_payload_bytes=max_payload_bytes)
+    except RecursionError:
+        raise Rejection(400, "the body is nested too deeply to be a trajectory") from None
+
+
+def _prepare(body: bytes, *, max_payload_bytes: int) -> list[Prepared]:
+    if b"\\u0000" in body:
+        raise Rejection(422, "the body contains a NUL character (\\u0000), which cannot be "
+                             "stored; remove it")
+    try:
+        doc = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise Rejection(400, f"the body is not valid UTF-8 JSON ({err}); send one trajectory"
+                             " object, an array of them, or {\"trajectories\": [...]}") from None
+    records = split_records(doc)
+    if not records:
+        raise Rejection(422, "the request holds no trajectories; send at least one")
+    prepared: list[Prepared] = []
+    invalid: list[str] = []
+    too_large: list[str] = []
+    for i, record in enumerate(records):
+        try:
+            t = parse_trajectory(record)
+        # TypeError: normalize() meets a wrongly typed field (e.g. metadata.unknown_fields).
+        except (ValueError, TypeError) as err:
+            invalid.append(describe_record_error(i, err))
+            continue
+        value = t.model_dump_json(exclude_none=True).encode()
+        if len(value) > max_payload_bytes:
+            too_large.append(f"trajectories[{i}] is {len(value)} bytes")
+        prepared.append(Prepared(t, value))
+    if invalid:
+        shown = "; ".join(invalid[:_REPORTED_RECORDS])
+        rest = len(invalid) - _REPORTED_RECORDS
+        raise Rejection(422, f"{len(invalid)} of {len(records)} trajectories are invalid, nothing"
+                             f" was published: {shown}"
+                             + (f"; and {rest} more invalid trajectories" if rest > 0 else ""))
+    if too_large:
+        raise Rejection(413, f"{'; '.join(too_large[:_REPORTED_RECORDS])}: one trajectory may be"
+                             f" at most {max_payload_bytes} bytes (ingest.max_payload_bytes);"
+                             " nothing was published. Trim large tool outputs or raise the limit")
+    return prepared
+
+
+# --- I/O: the request body and the Kafka producer -----------------------------------------
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed `limit` bytes.
+
+    Content-Length is checked up front, and the bytes actually received are counted too:
+    chunked bodies have no Content-Length and a client's header may lie.
+    """
+    advice = f"the limit is {limit} bytes (api.max_request_bytes); split the batch"
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise HTTPException(400, f"invalid Content-Length header {declared!r}")
+        if int(declared) > limit:
+            raise HTTPException(413, f"request body is {declared} bytes; {advice}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPException(413, f"request body is over {limit} bytes; {advice}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class Publisher:
+    """The gateway's Kafka producer, started at app startup and again on demand.
+
+    If the broker is down when the app starts, the app still serves (answering 503) and the
+    next request tries again, so gateway and broker may start in any order.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.bootstrap = resolve_bootstrap(settings)
+        self._max_request_size = max(1_048_576, settings.ingest.max_payload_bytes + _FRAMING_BYTES)
+        self._producer: AIOKafkaProducer | None = None
+        self._lock = asyncio.Lock()
+
+    async def producer(self) -> AIOKafkaProducer:
+        async with self._lock:
+            if self._producer is None:
+                # A fresh client per attempt: an aiokafka producer that failed to start is not
+                # restartable.
+                producer = AIOKafkaProducer(
+                    bootstrap_servers=self.bootstrap, acks="all",
+                    enable_idempotence=False,  # the local broker does not support it
+                    request_timeout_ms=PUBLISH_TIMEOUT_MS,
+                    max_request_size=self._max_request_size)
+                try:
+                    await producer.start()
+                except BaseException:
+                    await producer.stop()
+                    raise
+                self._producer = producer
+            return self._producer
+
+    async def publish(self, topic: str, records: list[Prepared]) -> None:
+        """Send every record, then wait for all acks; raises KafkaError if any failed."""
+        producer = await self.producer()
+        futures = [await producer.send(topic, r.value, key=str(r.trajectory.trajectory_id).encode())
+                   for r in records]
+        await asyncio.gather(*futures)
+
+    async def stop(self) -> None:
+        async with self._lock:
+            if self._producer is not None:
+                await self._producer.stop()
+                self._producer = None
+
+
+@asynccontextmanager
+async def gateway_lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Lifespan hook: the Kafka producer lives on `app.state.gateway_publisher`."""
+    publisher = Publisher(settings_of(app))
+    try:
+        await publisher.producer()
+    except (KafkaError, OSError) as err:
+        log.warning("gateway: broker at %s not reachable at startup (%s); will retry on the"
+                    " first request", publisher.bootstrap, err)
+    app.state.gateway_publisher = publisher
+    try:
+        yield
+    finally:
+        await publisher.stop()
+
+
+def _publisher(request: Request) -> Publisher:
+    publisher: Publisher | None = getattr(request.app.state, "gateway_publisher", None)
+    if publisher is None:
+        raise RuntimeError("the gateway's producer is not running: create the app with"
+                           " lifespan_hooks=[gateway_lifespan] and run its lifespan")
+    return publisher
+
+
+def gateway_router() -> APIRouter:
+    """`POST /v1/trajectories`; mount it together with `gateway_lifespan`."""
+    router = APIRouter(tags=["trajectories"])
+
+    # The body is read by hand (size cap, three shapes), so the spec declares it explicitly.
+    body_spec = {"requestBody": {"required": True, "description": _BODY_DOC, "content": {
+        "application/json": {"schema": {"oneOf": [{"type": "object"}, {"type": "array"}]}}}}}
+
+    @router.post("/v1/trajectories", status_code=status.HTTP_202_ACCEPTED,
+                 response_model=Accepted, openapi_extra=body_spec)
+    async def post_trajectories(request: Request,
+                                principal: Principal = require_scope("publish")) -> Accepted:
+        """Publish one trajectory, an array, or `{"trajectories": [...]}` (v1 or chat format)."""
+        settings = settings_of(request)
+        body = await read_body(request, settings.api.max_request_bytes)
+        try:
+            # Off the event loop: validating megabytes of JSON would stall every other request.
+            records = await asyncio.to_thread(
+                prepare, body, max_payload_bytes=settings.ingest.max_payload_bytes)
+        except Rejection as rej:
+            raise HTTPException(rej.status_code, rej.detail) from None
+        topic = settings.topics.trajectories
+        try:
+            await _publisher(request).publish(topic, records)
+        except (KafkaError, OSError, TimeoutError) as err:
+            log.warning("gateway: publishing %d trajectories to %s failed: %r",
+                        len(records), topic, err)
+            raise HTTPException(
+                status.HTTP_503_SERVICE_UNAVAILABLE,
+                f"the broker did not accept the trajectories ({type(err).__name__}: {err});"
+                f" retry the same request in {RETRY_AFTER_S}s (re-sending is safe: ingest"
+                " dedupes on trajectory_id)",
+                headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        ids = [str(r.trajectory.trajectory_id) for r in records]
+        log.info("gateway: token %s published %d trajectories to %s",
+                 principal.fingerprint, len(ids), topic)
+        return Accepted(accepted=len(ids), trajectory_ids=ids)
+
+    return router
+
+
+def create_gateway_app(settings: Settings) -> FastAPI:
+    """An API app serving only the gateway (plus `/healthz`)."""
+    return create_app(settings, routers=[gateway_router()], lifespan_hooks=[gateway_lifespan])

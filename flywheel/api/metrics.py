@@ -1,0 +1,206 @@
+"""`GET /metrics`: the pipeline in the Prometheus text format, read at scrape time.
+
+Nothing is counted in process memory: every value comes from Postgres (the same queries as
+`flywheel status`) and consumer lag from Kafka, when Prometheus asks. So any API replica
+answers the same, a restarted API loses nothing, and counters are the table counts
+(monotonic: those rows are never deleted). `prometheus_client` renders the families (names,
+HELP/TYPE, label escaping) from a fresh registry per scrape; there is no global state.
+
+Needs `app.state.db` (opened by `operator_lifespan`). No token: the figures are counts and
+states, never payloads; put the port behind your network policy like any exporter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from flywheel.api.app import settings_of
+from flywheel.api.status import counts, lag_or_error
+from flywheel.config import Settings
+
+TRAINER_STATES = ("absent", "starting", "waiting", "training", "starved", "stalled",
+                  "stopped", "down")
+ADAPTER_STATUSES = ("candidate", "evaluated", "promoted", "rejected", "rolled_back")
+TRAINER_STEP_METRICS = {
+    "loss": ("flywheel_trainer_loss", "GRPO loss of the trainer's last optimizer step."),
+    "reward_mean": ("flywheel_trainer_reward_mean",
+                    "Mean reward of the rollouts in the trainer's last batch."),
+    "tokens_per_s": ("flywheel_trainer_tokens_per_second",
+                     "Completion tokens per second of the trainer's last step."),
+    "step_s": ("flywheel_trainer_step_seconds", "Wall time of the trainer's last step."),
+    "grad_norm": ("flywheel_trainer_grad_norm",
+                  "Gradient norm (before clipping) of the trainer's last step."),
+    "clip_frac": ("flywheel_trainer_clip_fraction",
+                  "Share of tokens whose importance ratio was clipped in the last step."),
+    "ranks": ("flywheel_trainer_ranks",
+              "Data-parallel ranks of the trainer's last step (torchrun; absent: one)."),
+}
+
+_LIFECYCLE = text("""
+SELECT (SELECT version FROM production WHERE policy = :p) AS production_version,
+       (SELECT json_object_agg(status, n) FROM (SELECT status, count(*) AS n
+          FROM adapter_versions WHERE policy = :p GROUP BY status) s) AS adapter_statuses
+""")
+_LAST_EVALUATION = text("""
+SELECT version, baseline_version, state,
+       (record->'candidate'->>'success_rate')::float AS candidate,
+       (record->'baseline'->>'success_rate')::float AS production
+FROM evaluations WHERE policy = :p ORDER BY created_at DESC LIMIT 1
+""")
+
+
+async def snapshot(conn: AsyncConnection, settings: Settings) -> dict[str, Any]:
+    """`status.counts` plus the adapter lifecycle figures of the configured policy."""
+    policy = settings.rollout.policy
+    data = await counts(conn)
+    row = (await conn.execute(_LIFECYCLE, {"p": policy})).mappings().one()
+    last = (await conn.execute(_LAST_EVALUATION, {"p": policy})).mappings().first()
+    return {**data, "policy": policy, "production_version": row["production_version"],
+            "adapter_statuses": dict(row["adapter_statuses"] or {}),
+            "last_evaluation": dict(last) if last is not None else None}
+
+
+def families(snap: dict[str, Any], lag: dict[str, dict[str, Any]], lag_error: str | None
+             ) -> list[Metric]:
+    """The metric families of one scrape (pure: `snap` from `snapshot`, `lag` from
+    `status.lag_or_error`)."""
+    out: list[Metric] = []
+
+    def counter(name: str, doc: str, value: float) -> None:
+        out.append(CounterMetricFamily(name, doc, value=value))
+
+    def gauge(name: str, doc: str, value: float) -> None:
+        out.append(GaugeMetricFamily(name, doc, value=value))
+
+    def labelled(kind: type[CounterMetricFamily] | type[GaugeMetricFamily], name: str,
+                 doc: str, label: str, values: Iterable[tuple[str, float]]) -> None:
+        family = kind(name, doc, labels=[label])
+        for key, value in values:
+            family.add_metric([key], value)
+        out.append(family)
+
+    # Ingest and mining.
+    counter("flywheel_trajectories_ingested", "Trajectories stored by ingest.",
+            snap["trajectories"])
+    counter("flywheel_trajectories_failed", "Ingested trajectories whose outcome is a failure.",
+            snap["failures"])
+    labelled(CounterMetricFamily, "flywheel_failures_mined",
+             "Failed trajectories classified by the miner, by failure mode.", "failure_mode",
+             snap["failure_modes"].items())
+    gauge("flywheel_failures_unverifiable",
+          "Mined failures with no way to verify them (not tasks, may still be upgraded).",
+          snap["unverifiable"])
+    splits = {"train": 0, "holdout": 0, **snap["tasks_by_split"]}
+    labelled(GaugeMetricFamily, "flywheel_tasks", "Verifiable tasks by split.", "split",
+             splits.items())
+    labelled(CounterMetricFamily, "flywheel_dead_letters",
+             "Messages dead-lettered by ingest, by reason.", "reason",
+             snap["dlq_by_reason"].items())
+    gauge("flywheel_outbox_pending", "Events written but not yet published by the relay.",
+          snap["outbox_pending"])
+    gauge("flywheel_outbox_parked", "Events the broker refused for good (see status).",
+          snap["outbox_parked"])
+
+    # Consumer lag.
+    gauge("flywheel_kafka_up", "1 when consumer lag could be read from Kafka in this scrape.",
+          0 if lag_error else 1)
+    family = GaugeMetricFamily("flywheel_consumer_lag",
+                               "Messages not yet committed by the consumer group.",
+                               labels=["group", "topic"])
+    for group, info in lag.items():
+        family.add_metric([group, info["topic"]], info["total"])
+    out.append(family)
+
+    # Rollouts and the trainer.
+    counter("flywheel_rollout_groups_scored", "Scored rollout groups (trainable or not).",
+            snap["groups"])
+    counter("flywheel_rollout_groups_trainable",
+            "Scored groups with reward variance, sent to training.", snap["groups_trainable"])
+    counter("flywheel_rollout_groups_stale_dropped",
+            "Trainable groups the trainer dropped as too stale.", snap["groups_stale_dropped"])
+    gauge("flywheel_rollout_groups_backlog", "Trainable groups not yet consumed by the trainer.",
+          snap["groups_backlog"])
+    gauge("flywheel_rollout_requests_outstanding", "Rollout requests not yet answered.",
+          snap["requests_outstanding"])
+    trainer = snap["trainer"]
+    states = [*TRAINER_STATES, *([trainer["state"]] if trainer["state"] not in
+                                 TRAINER_STATES else [])]
+    labelled(GaugeMetricFamily, "flywheel_trainer_state",
+             "1 for the trainer's current state (`down`: heartbeat older than 30 s).", "state",
+             [(s, 1.0 if s == trainer["state"] else 0.0) for s in states])
+    gauge("flywheel_trainer_steps", "Optimizer steps taken by the running trainer.",
+          trainer["steps"])
+    if trainer["heartbeat_age_s"] is not None:
+        gauge("flywheel_trainer_heartbeat_age_seconds", "Seconds since the trainer's heartbeat.",
+              trainer["heartbeat_age_s"])
+    for key, (name, doc) in TRAINER_STEP_METRICS.items():
+        value = trainer["metrics"].get(key)
+        if isinstance(value, int | float):
+            gauge(name, doc, value)
+
+    # Adapter lifecycle.
+    statuses = {s: 0 for s in ADAPTER_STATUSES} | snap["adapter_statuses"]
+    labelled(GaugeMetricFamily, "flywheel_adapter_versions", "Adapter versions by status.",
+             "status", statuses.items())
+    gauge("flywheel_production_version",
+          "Adapter version behind the `production` alias (0 = the base model).",
+          snap["production_version"] or 0)
+    gauge("flywheel_pending_reviews", "Gate decisions waiting for an operator (manual mode).",
+          snap["pending_reviews"])
+    last = snap["last_evaluation"]
+    if last is not None:
+        family = GaugeMetricFamily(
+            "flywheel_last_evaluation_success_rate",
+            "Holdout success rate of both sides of the newest gate evaluation "
+            "(`production`: the version production was when it ran; `base` = base model).",
+            labels=["side", "version"])
+        family.add_metric(["candidate", str(last["version"])], last["candidate"])
+        base = last["baseline_version"]
+        family.add_metric(["production", "base" if base is None else str(base)],
+                          last["production"])
+        out.append(family)
+    return out
+
+
+class _Families(Collector):
+    def __init__(self, found: list[Metric]) -> None:
+        self.found = found
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.found)
+
+
+def exposition(found: list[Metric], accept: str = "") -> tuple[bytes, str]:
+    """(body, content type): the text format 0.0.4, or OpenMetrics when `accept` asks."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(found))
+    encode, content_type = choose_encoder(accept)
+    return encode(registry), content_type
+
+
+def metrics_router() -> APIRouter:
+    router = APIRouter(tags=["ops"])
+
+    @router.get("/metrics", response_class=Response)
+    async def metrics(request: Request) -> Response:
+        """Prometheus exposition (text format 0.0.4, or OpenMetrics when the scraper asks for
+        it). Needs no token."""
+        settings = settings_of(request)
+        engine: AsyncEngine = request.app.state.db
+        async with engine.connect() as conn:
+            snap = await snapshot(conn, settings)
+        lag, lag_error = await lag_or_error(settings)
+        body, content_type = exposition(families(snap, lag, lag_error),
+                                        request.headers.get("accept", ""))
+        return Response(body, headers={"Content-Type": content_type})
+
+    return router

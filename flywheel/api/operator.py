@@ -1,0 +1,198 @@
+"""HTTP API for operators and agents: review decisions, roll back, the `production` alias.
+
+Reads (`GET /v1/status`, `/v1/whoami`, `/v1/adapters…`, `/v1/promotions…`, `/v1/serving`)
+need any valid token; actions (approve, reject, rollback) need the `operate` scope and are
+audited as events whose `actor` is the token fingerprint (plus the `X-Flywheel-Actor` name
+when sent). Agents call `POST /v1/chat/completions` (OpenAI-compatible, `publish` scope)
+with `model: "production"`.
+
+Mount with `create_app(settings, routers=[operator_router()], lifespan_hooks=[operator_lifespan])`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Header, HTTPException, Request, status
+from pydantic import BaseModel, Field
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from flywheel.adapters import lifecycle, queries
+from flywheel.api.app import settings_of
+from flywheel.api.auth import Principal, require_scope
+from flywheel.api.serving import ServingSync
+from flywheel.api.status import lag_or_error, overview
+from flywheel.db.engine import make_engine
+from flywheel.runtime.endpoints import resolve_db_url
+
+
+class Decide(BaseModel):
+    reason: str = Field(min_length=1, description="Why (kept in the audit log).")
+    force: bool = Field(default=False,
+                        description="Approve against the gate's reject recommendation.")
+
+
+class Rollback(BaseModel):
+    reason: str = Field(min_length=1)
+    to: int | None = Field(default=None, description="Version to return to; omitted = the "
+                           "previous production version; 0 = the base model.")
+
+
+@asynccontextmanager
+async def operator_lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings = settings_of(app)
+    engine = make_engine(resolve_db_url(settings), pool_size=4)
+    serving = ServingSync(settings, engine)
+    stop = asyncio.Event()
+    app.state.db, app.state.serving = engine, serving
+    follow = asyncio.create_task(serving.run(stop)) if settings.api.serve else None
+    try:
+        yield
+    finally:
+        stop.set()
+        if follow is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await follow
+        await serving.close()
+        await engine.dispose()
+
+
+def _db(request: Request) -> AsyncEngine:
+    engine: AsyncEngine = request.app.state.db
+    return engine
+
+
+def _actor(principal: Principal, name: str | None) -> str:
+    return f"{name} (token {principal.fingerprint})" if name else f"token {principal.fingerprint}"
+
+
+def _error(err: lifecycle.LifecycleError) -> HTTPException:
+    code = (status.HTTP_404_NOT_FOUND if isinstance(err, lifecycle.NotFound)
+            else status.HTTP_409_CONFLICT)
+    return HTTPException(code, str(err))
+
+
+def operator_router() -> APIRouter:
+    router = APIRouter(prefix="/v1", tags=["review"])
+    reader = require_scope(None)
+    operator = require_scope("operate")
+
+    @router.get("/whoami", tags=["ops"])
+    async def whoami(principal: Principal = reader) -> dict[str, Any]:
+        """The caller's token fingerprint and scopes (the dashboard shows the actions its
+        token may take)."""
+        return {"fingerprint": principal.fingerprint, "scopes": sorted(principal.scopes)}
+
+    @router.get("/status", tags=["ops"])
+    async def pipeline_status(request: Request, _: Principal = reader) -> dict[str, Any]:
+        """`flywheel status --json` plus what the dashboard draws: trainer state, reward and
+        holdout curves per adapter version, failure-mode breakdown, baseline. `lag_error`
+        says why `lag` is empty when Kafka does not answer."""
+        settings = settings_of(request)
+        async with _db(request).connect() as conn:
+            data = await overview(conn, settings)
+        lag, lag_error = await lag_or_error(settings)
+        return {**data, "lag": lag, "lag_error": lag_error}
+
+    @router.get("/adapters")
+    async def adapters(request: Request, _: Principal = reader) -> dict[str, Any]:
+        """Every adapter version of the policy, its status and holdout result."""
+        policy = settings_of(request).rollout.policy
+        async with _db(request).connect() as conn:
+            return {"production": await queries.production(conn, policy),
+                    "adapters": await queries.list_adapters(conn, policy)}
+
+    @router.get("/adapters/{version}")
+    async def adapter(version: int, request: Request, _: Principal = reader) -> dict[str, Any]:
+        async with _db(request).connect() as conn:
+            found = await queries.get_adapter(conn, settings_of(request).rollout.policy, version)
+        if found is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"no adapter version {version}")
+        return found
+
+    @router.post("/adapters/rollback")
+    async def rollback(body: Rollback, request: Request, principal: Principal = operator,
+                       x_flywheel_actor: str | None = Header(default=None)) -> dict[str, Any]:
+        """Re-point production to an earlier promoted version (audited)."""
+        settings = settings_of(request)
+        to = lifecycle.BASE if body.to == 0 else body.to
+        try:
+            async with _db(request).begin() as conn:
+                event = await lifecycle.rollback(
+                    conn, settings.rollout.policy, to=to, reason=body.reason,
+                    actor=_actor(principal, x_flywheel_actor), topic=settings.topics.adapters)
+        except lifecycle.LifecycleError as err:
+            raise _error(err) from err
+        return event.model_dump(mode="json")
+
+    @router.get("/promotions")
+    async def promotions(request: Request, state: str | None = None,
+                         _: Principal = reader) -> list[dict[str, Any]]:
+        """Gate decision records, newest first (`state=pending` for the review queue)."""
+        async with _db(request).connect() as conn:
+            return await queries.list_evaluations(conn, settings_of(request).rollout.policy,
+                                                  state=state)
+
+    @router.get("/promotions/{evaluation_id}")
+    async def promotion(evaluation_id: uuid.UUID, request: Request,
+                        _: Principal = reader) -> dict[str, Any]:
+        async with _db(request).connect() as conn:
+            found = await queries.get_evaluation(conn, evaluation_id)
+        if found is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"no evaluation {evaluation_id}")
+        return found
+
+    @router.post("/promotions/{evaluation_id}/approve")
+    async def approve(evaluation_id: uuid.UUID, body: Decide, request: Request,
+                      principal: Principal = operator,
+                      x_flywheel_actor: str | None = Header(default=None)) -> dict[str, Any]:
+        settings = settings_of(request)
+        try:
+            async with _db(request).begin() as conn:
+                event = await lifecycle.approve(
+                    conn, evaluation_id, actor=_actor(principal, x_flywheel_actor),
+                    reason=body.reason, topic=settings.topics.adapters, force=body.force)
+        except lifecycle.LifecycleError as err:
+            raise _error(err) from err
+        return event.model_dump(mode="json")
+
+    @router.post("/promotions/{evaluation_id}/reject")
+    async def reject(evaluation_id: uuid.UUID, body: Decide, request: Request,
+                     principal: Principal = operator,
+                     x_flywheel_actor: str | None = Header(default=None)) -> dict[str, Any]:
+        settings = settings_of(request)
+        try:
+            async with _db(request).begin() as conn:
+                event = await lifecycle.reject(
+                    conn, evaluation_id, actor=_actor(principal, x_flywheel_actor),
+                    reason=body.reason, topic=settings.topics.adapters)
+        except lifecycle.LifecycleError as err:
+            raise _error(err) from err
+        return event.model_dump(mode="json")
+
+    @router.get("/serving")
+    async def serving(request: Request, _: Principal = reader) -> dict[str, Any]:
+        """What the `production` alias resolves to, and on which replicas."""
+        async with _db(request).connect() as conn:
+            return await queries.production(conn, settings_of(request).rollout.policy)
+
+    @router.post("/chat/completions", tags=["serving"])
+    async def chat(request: Request, _: Principal = require_scope("publish")) -> dict[str, Any]:
+        """OpenAI-compatible chat completion; `model: "production"` follows promotions and
+        rollbacks."""
+        body = await request.json()
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY,
+                                "body must be a chat completion request with `messages`")
+        sync: ServingSync = request.app.state.serving
+        try:
+            return await sync.chat(body)
+        except LookupError as err:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, str(err)) from err
+
+    return router

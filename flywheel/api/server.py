@@ -1,0 +1,36 @@
+"""The HTTP API process (`flywheel up` runs it): gateway, review, rollback, serving, status,
+`/metrics` and the dashboard."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+from fastapi import FastAPI
+
+from flywheel.config import Settings
+
+
+def build_app(settings: Settings) -> FastAPI:
+    """The API as `flywheel up` serves it (tests build the same app)."""
+    from flywheel.api.app import create_app
+    from flywheel.api.dashboard import dashboard_router
+    from flywheel.api.gateway import gateway_lifespan, gateway_router
+    from flywheel.api.metrics import metrics_router
+    from flywheel.api.operator import operator_lifespan, operator_router
+
+    return create_app(settings,
+                      routers=[gateway_router(), operator_router(), metrics_router(),
+                               dashboard_router()],
+                      lifespan_hooks=[gateway_lifespan, operator_lifespan])
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    settings = Settings()
+    uvicorn.run(build_app(settings), host=settings.api.host, port=settings.api.port,
+                log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

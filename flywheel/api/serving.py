@@ -1,0 +1,169 @@
+"""Serving: the `production` alias, and following the production pointer.
+
+The API process is the serving front end. `ServingSync` watches the production pointer
+(the projection of promotions and rollbacks); when it moves, the new version is loaded on
+every replica of the configured engine and verified there — vLLM: `load_lora_adapter` on
+each replica, then `/v1/models` must list it; local engine: the checksummed artifact loaded
+in process — and only then does the alias move and `ServingSwitched` get recorded. Agents
+call `POST /v1/chat/completions` with `model: "production"` and get the version the alias
+points at; the response's `model` names it (`<policy>@v<N>`, or the base model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from flywheel.adapters import lifecycle
+from flywheel.adapters.resolver import AdapterResolver
+from flywheel.config import Settings
+from flywheel.events import ServingSwitched, ServingSwitchedPayload
+from flywheel.policy.base import AdapterRef, Policy, SamplingParams
+
+log = logging.getLogger("flywheel.serving")
+ALIASES = ("production",)
+PLACE_TTL_S = 30.0
+"""How long a version addressed as `<policy>@vN` counts as placed on every replica."""
+
+
+@dataclass(frozen=True)
+class Target:
+    version: int | None
+    adapter: AdapterRef | None
+
+    @property
+    def name(self) -> str:
+        return self.adapter.name if self.adapter else "base"
+
+
+class ServingSync:
+    def __init__(self, settings: Settings, engine: AsyncEngine,
+                 policy: Policy | None = None) -> None:
+        self.settings, self.engine = settings, engine
+        self.name = settings.rollout.policy
+        self._policy = policy
+        self.adapters = AdapterResolver(engine, settings)
+        self.current: Target | None = None
+        self._lock = asyncio.Lock()
+        self._placed: dict[int, float] = {}
+        """Explicitly addressed versions → when they were last placed on every replica."""
+
+    def policy(self) -> Policy:
+        if self._policy is None:
+            from flywheel.policy.factory import make_policy
+
+            self._policy = make_policy(self.settings)
+        return self._policy
+
+    def replicas(self) -> list[str]:
+        r = self.settings.rollout
+        return list(r.vllm_urls) if r.engine == "vllm" else ["local"]
+
+    async def sync_once(self) -> bool:
+        """Follow the pointer once; True when the alias moved."""
+        async with self._lock:
+            async with self.engine.connect() as conn:
+                row = (await conn.execute(text("""SELECT p.version, s.version AS serving,
+                        s.served_name FROM production p
+                    LEFT JOIN serving_state s USING (policy) WHERE p.policy = :p"""),
+                    {"p": self.name})).first()
+            if row is None:
+                if self.current is None:
+                    self.current = Target(None, None)
+                return False
+            if self.current is not None and self.current.version == row.version:
+                return False
+            adapter = await self.adapters(row.version)
+            if adapter is not None:
+                # Every replica loads and verifies it before the alias moves.
+                await self.policy().ensure_adapter(adapter)
+            target = Target(row.version, adapter)
+            if row.serving != row.version or row.served_name is None:
+                await self._record(target)
+            self.current = target
+            log.info("production alias → %s on %s", target.name, self.replicas())
+            return True
+
+    async def _record(self, target: Target) -> None:
+        async with self.engine.begin() as conn:
+            await lifecycle.lock_production(conn, self.name)
+            cause = (await conn.execute(text("""SELECT event_id FROM events
+                WHERE type IN ('AdapterPromoted', 'AdapterRolledBack')
+                  AND payload->>'policy' = :p ORDER BY seq DESC LIMIT 1"""),
+                {"p": self.name})).scalar()
+            event = ServingSwitched(aggregate_id=f"{self.name}@serving",
+                                    payload=ServingSwitchedPayload(
+                                        policy=self.name, version=target.version,
+                                        served_name=target.name, replicas=self.replicas(),
+                                        cause_event_id=cause))
+            await lifecycle.apply_event(conn, event, self.settings.topics.adapters)
+
+    async def run(self, stop: asyncio.Event, poll_s: float = 1.0) -> None:
+        while not stop.is_set():
+            try:
+                await self.sync_once()
+            except Exception as err:  # keep serving the previous version; try again
+                log.warning("serving sync failed (still serving %s): %s",
+                            self.current.name if self.current else "nothing yet", err)
+            try:
+                await asyncio.wait_for(stop.wait(), poll_s)
+            except TimeoutError:
+                pass
+
+    async def resolve(self, model: str) -> Target:
+        """`production` (or `<policy>:production`) → the verified target; `<policy>@vN` and
+        `base` address a version directly."""
+        if model in ALIASES or model == f"{self.name}:production":
+            if self.current is None:
+                await self.sync_once()
+            assert self.current is not None
+            return self.current
+        if model == "base":
+            return Target(None, None)
+        prefix = f"{self.name}@v"
+        if model.startswith(prefix) and model[len(prefix):].isdigit():
+            version = int(model[len(prefix):])
+            adapter = await self.adapters(version)
+            # Placing checks every replica (vLLM: a listing each, under one admin lock), so
+            # it runs once per PLACE_TTL_S per version, not on every chat request.
+            if adapter is not None and time.monotonic() - self._placed.get(
+                    version, -PLACE_TTL_S) >= PLACE_TTL_S:
+                await self.policy().ensure_adapter(adapter)
+                self._placed[version] = time.monotonic()
+            return Target(version, adapter)
+        raise LookupError(f"unknown model {model!r}: use 'production', 'base' or "
+                          f"'{self.name}@v<N>'")
+
+    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """An OpenAI Chat Completions answer from the resolved version."""
+        target = await self.resolve(str(body.get("model", "production")))
+        params = SamplingParams(n=1, max_tokens=int(body.get("max_tokens") or 256),
+                                temperature=float(body.get("temperature") or 1e-3),
+                                top_p=float(body.get("top_p") or 1.0),
+                                seed=body.get("seed"), stop=tuple(_stops(body.get("stop"))))
+        started = time.time()
+        (c,) = await self.policy().sample(body["messages"], params, adapter=target.adapter)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                "created": int(started), "model": target.name,
+                "choices": [{"index": 0, "finish_reason": c.finish_reason,
+                             "message": {"role": "assistant", "content": c.text}}],
+                "usage": {"prompt_tokens": len(c.prompt_token_ids),
+                          "completion_tokens": len(c.token_ids),
+                          "total_tokens": len(c.prompt_token_ids) + len(c.token_ids)}}
+
+    async def close(self) -> None:
+        if self._policy is not None:
+            await self._policy.close()
+
+
+def _stops(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else [str(s) for s in stop]

@@ -1,0 +1,196 @@
+"""What the pipeline is doing, read from Postgres and Kafka at the moment of asking.
+
+One source for `flywheel status --json` (`collect`), `GET /v1/status` (`overview` + `lag`)
+and the Prometheus exposition (`flywheel.api.metrics`): each reads the same queries, so the three
+never disagree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from aiokafka.errors import KafkaError
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from flywheel.adapters import queries
+from flywheel.config import Settings
+from flywheel.db.engine import make_engine
+from flywheel.gate.baseline import latest_baseline
+from flywheel.runtime.endpoints import StackNotRunning, resolve_bootstrap, resolve_db_url
+from flywheel.runtime.kafka import group_lag
+
+_COUNTS = text("""
+SELECT (SELECT count(*) FROM trajectories)                          AS trajectories,
+       (SELECT count(*) FROM trajectories WHERE is_failure)         AS failures,
+       (SELECT count(*) FROM dead_letters)                          AS dlq,
+       (SELECT count(*) FROM outbox WHERE published_at IS NULL AND error IS NULL)
+                                                                    AS outbox_pending,
+       (SELECT count(*) FROM outbox WHERE error IS NOT NULL)        AS outbox_parked,
+       (SELECT count(*) FROM events)                                AS events,
+       (SELECT count(*) FROM tasks)                                 AS tasks,
+       (SELECT count(*) FROM tasks WHERE split = 'holdout')         AS tasks_holdout,
+       (SELECT count(*) FROM failures WHERE status = 'unverifiable') AS unverifiable,
+       (SELECT coalesce(max(version), 0) FROM eval_sets)            AS evalset_version,
+       (SELECT count(*) FROM rollout_groups)                        AS groups,
+       (SELECT count(*) FROM rollout_groups WHERE trainable)        AS groups_trainable,
+       (SELECT count(*) FROM rollout_groups
+         WHERE trainable AND trained_at IS NULL)                    AS groups_backlog,
+       (SELECT count(*) FROM rollout_groups WHERE consumed_as = 'stale')
+                                                                    AS groups_stale_dropped,
+       (SELECT coalesce(sum(not_run), 0) FROM rollout_groups)       AS rollouts_not_run,
+       (SELECT count(*) FROM rollout_requests WHERE status = 'requested')
+                                                                    AS requests_outstanding,
+       (SELECT count(*) FROM task_stats WHERE retired IS NOT NULL)  AS tasks_retired,
+       (SELECT count(*) FROM evaluations WHERE state = 'pending')   AS pending_reviews
+""")
+_MODES = text("SELECT failure_mode, count(*) FROM failures GROUP BY 1 ORDER BY 1")
+_SPLITS = text("SELECT split, count(*) FROM tasks GROUP BY 1 ORDER BY 1")
+_TRAINER = text("""
+SELECT state, detail, version, steps, stale_dropped, metrics,
+       extract(epoch FROM now() - updated_at) AS heartbeat_age_s
+FROM trainer_status ORDER BY updated_at DESC LIMIT 1
+""")
+_DLQ_REASONS = text("SELECT reason, count(*) FROM dead_letters GROUP BY reason ORDER BY reason")
+_BREAKDOWN = text("""
+SELECT coalesce(f.failure_mode, t.failure_mode) AS failure_mode,
+       coalesce(f.failures, 0) AS failures, coalesce(f.unverifiable, 0) AS unverifiable,
+       coalesce(t.train, 0) AS tasks_train, coalesce(t.holdout, 0) AS tasks_holdout
+FROM (SELECT failure_mode, count(*) AS failures,
+             count(*) FILTER (WHERE status = 'unverifiable') AS unverifiable
+      FROM failures GROUP BY 1) f
+FULL JOIN (SELECT failure_mode, count(*) FILTER (WHERE split = 'train') AS train,
+                  count(*) FILTER (WHERE split = 'holdout') AS holdout
+           FROM tasks GROUP BY 1) t USING (failure_mode)
+ORDER BY failures DESC, failure_mode
+""")
+# The newest evaluation of every evaluated version, in version order: the holdout curve.
+_HOLDOUT = text("""
+SELECT DISTINCT ON (version) version, evaluation_id, state, recommendation, created_at,
+       baseline_version,
+       (record->'candidate'->>'success_rate')::float AS success_rate,
+       (record->'baseline'->>'success_rate')::float AS baseline_success_rate
+FROM evaluations WHERE policy = :p ORDER BY version, created_at DESC
+""")
+
+TRAINER_DOWN_AFTER_S = 30.0
+"""A trainer heartbeat older than this reads as state `down`."""
+LAG_TIMEOUT_S = 5.0
+LAG_CACHE_S = 3.0
+
+
+async def counts(conn: AsyncConnection) -> dict[str, Any]:
+    """Every Postgres figure of `flywheel status --json` (all but `lag`)."""
+    row = (await conn.execute(_COUNTS)).mappings().one()
+    reasons = {r: int(n) for r, n in (await conn.execute(_DLQ_REASONS)).all()}
+    modes = {m: int(n) for m, n in (await conn.execute(_MODES)).all()}
+    splits = {s: int(n) for s, n in (await conn.execute(_SPLITS)).all()}
+    trainer = (await conn.execute(_TRAINER)).mappings().first()
+    return {
+        **{k: int(v) for k, v in row.items()},
+        "dlq_by_reason": reasons,
+        "failure_modes": modes,
+        "tasks_by_split": splits,
+        "trainer": _trainer(trainer),
+    }
+
+
+def consumer_groups(settings: Settings) -> list[tuple[str, str]]:
+    """(group, topic) of every consumer group whose lag is reported."""
+    topics = settings.topics
+    return [(settings.ingest.group_id, topics.trajectories),
+            (settings.miner.group_id, topics.trajectories),
+            (settings.rollout.group_id, topics.rollout_requests),
+            (settings.trainer.group_id, topics.rollouts),
+            (settings.gate.group_id, topics.adapters)]
+
+
+async def lag(settings: Settings) -> dict[str, dict[str, Any]]:
+    """Per consumer group: topic, total lag and lag per partition."""
+    pairs = consumer_groups(settings)
+    bootstrap = resolve_bootstrap(settings)
+    found = await asyncio.gather(*(group_lag(bootstrap, g, t) for g, t in pairs))
+    return {group: {"topic": topic, "total": sum(parts.values()), "partitions": parts}
+            for (group, topic), parts in zip(pairs, found, strict=True)}
+
+
+_lag_cache: dict[tuple[Any, ...], tuple[float, tuple[dict[str, Any], str | None]]] = {}
+
+
+async def lag_or_error(settings: Settings) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """`lag`, or ({}, why) when no broker is configured or it does not answer within
+    `LAG_TIMEOUT_S`: a status page must still show what Postgres knows while Kafka is down.
+
+    Reading lag opens a consumer per group; the answer is reused for `LAG_CACHE_S`, so
+    dashboard tabs and scrapers polling the API at once do not each pay for it."""
+    key = (settings.kafka.bootstrap, settings.home, tuple(consumer_groups(settings)))
+    now = time.monotonic()
+    hit = _lag_cache.get(key)
+    if hit is not None and now - hit[0] < LAG_CACHE_S:
+        return hit[1]
+    try:
+        async with asyncio.timeout(LAG_TIMEOUT_S):
+            result: tuple[dict[str, Any], str | None] = (await lag(settings), None)
+    except (KafkaError, OSError, TimeoutError, StackNotRunning) as err:
+        result = {}, f"consumer lag unavailable: {str(err) or type(err).__name__}"
+    _lag_cache[key] = (time.monotonic(), result)
+    return result
+
+
+async def collect(settings: Settings) -> dict[str, Any]:
+    """`flywheel status --json`. Stable keys: trajectories, failures, dlq, dlq_by_reason,
+    outbox_pending, outbox_parked, events, tasks, tasks_holdout, tasks_by_split,
+    unverifiable, evalset_version, groups, groups_trainable, groups_backlog,
+    groups_stale_dropped, rollouts_not_run, requests_outstanding, tasks_retired,
+    pending_reviews, failure_modes, trainer (state, version, steps, stale_dropped, metrics;
+    state `down` when its heartbeat is older than 30 s), lag (per consumer group)."""
+    engine = make_engine(resolve_db_url(settings), pool_size=1)
+    try:
+        async with engine.connect() as conn:
+            data = await counts(conn)
+    finally:
+        await engine.dispose()
+    return {**data, "lag": await lag(settings)}
+
+
+async def overview(conn: AsyncConnection, settings: Settings) -> dict[str, Any]:
+    """`counts` plus what the dashboard draws: the adapter lineage with each version's
+    training metrics and holdout result, the holdout curve, the failure-mode breakdown, the
+    production pointer and the newest baseline record (None before `flywheel baseline`)."""
+    policy = settings.rollout.policy
+    data = await counts(conn)
+    adapters = await queries.list_adapters(conn, policy)
+    holdout = [{**row, "evaluation_id": str(row["evaluation_id"]),
+                "created_at": row["created_at"].isoformat()}
+               for row in (await conn.execute(_HOLDOUT, {"p": policy})).mappings()]
+    breakdown = [dict(r) for r in (await conn.execute(_BREAKDOWN)).mappings()]
+    return {
+        **data,
+        "policy": policy,
+        "production": await queries.production(conn, policy),
+        "adapters": adapters,
+        "reward_curve": [{"version": a["version"], "steps": a["steps"],
+                          "reward_mean": _number(a["metrics"].get("reward_mean")),
+                          "loss": _number(a["metrics"].get("loss"))} for a in adapters],
+        "holdout_curve": holdout,
+        "failure_breakdown": breakdown,
+        "baseline": await latest_baseline(conn, policy),
+    }
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) else None
+
+
+def _trainer(row: Any) -> dict[str, Any]:
+    if row is None:
+        return {"state": "absent", "detail": None, "version": None, "steps": 0,
+                "stale_dropped": 0, "metrics": {}, "heartbeat_age_s": None}
+    data = dict(row)
+    age = float(data.pop("heartbeat_age_s"))
+    if age > TRAINER_DOWN_AFTER_S and data["state"] not in {"stopped"}:
+        data["state"], data["detail"] = "down", f"no heartbeat for {age:.0f}s"
+    data["heartbeat_age_s"] = round(age, 1)
+    return data

@@ -1,0 +1,270 @@
+"""`make demo`: the main job on the embedded default, end to end as far as it exists.
+
+A fresh local stack of its own (under `<home>/demo`, free ports): simulated agents publish
+trajectories through the SDK and the HTTP gateway (both wire formats, plus bad payloads);
+failures become tasks; the eval set is frozen; the gate measures the base model (baseline
+first) and recommends the first stage; the trainer warm-starts with SFT on demonstrations
+when told to, then GRPO continues on rollouts of the current version; the gate evaluates
+every candidate against production on the frozen holdout and promotes or rejects it. The
+demo ends once the loop has turned (the warm start and a GRPO candidate decided) or its time
+is up, prints the summary and writes `<home>/demo-summary.json`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from flywheel.config import Settings
+from flywheel.demo.samples import bad_payloads
+from flywheel.demo.simulate import simulate
+
+console = Console()
+SDK_TRAJECTORIES = 1500
+GATEWAY_TRAJECTORIES = 100
+BAD_PAYLOADS = 12
+
+
+async def _publish(settings: Settings, run: dict[str, Any], rng: random.Random) -> None:
+    from producers.sdk import FlywheelClient
+
+    seed = rng.randrange(10**6)
+    records = list(simulate(SDK_TRAJECTORIES + GATEWAY_TRAJECTORIES, agents=3,
+                            failure_rate=0.3, seed=seed, chat_share=0.2))
+    async with FlywheelClient.from_settings(settings) as client:
+        for record in records[:SDK_TRAJECTORIES]:
+            await client.log(record)
+        for payload in bad_payloads(rng, BAD_PAYLOADS, max_bytes=settings.ingest.max_payload_bytes):
+            await client.log_raw(payload)
+        await client.flush(timeout=60)
+    console.print(f"SDK: published {SDK_TRAJECTORIES} trajectories and {BAD_PAYLOADS} bad payloads")
+
+    token = next(t for t, scopes in run["tokens"].items() if "publish" in scopes)
+    batch = records[SDK_TRAJECTORIES:]
+    async with httpx.AsyncClient(base_url=run["api_url"], timeout=30) as http:
+        r = await http.post("/v1/trajectories", json=batch,
+                            headers={"Authorization": f"Bearer {token}"})
+        r.raise_for_status()
+        console.print(f"gateway: POST /v1/trajectories → {r.status_code}, "
+                      f"accepted {r.json()['accepted']}")
+        bad = await http.post("/v1/trajectories", json={"agent": "x", "outcome": {"status": "?"}},
+                              headers={"Authorization": f"Bearer {token}"})
+        console.print(f"gateway: a schema error is refused up front → {bad.status_code}: "
+                      f"{bad.json()['detail']}")
+
+
+async def _wait(settings: Settings, expected_rows: int, expected_dlq: int,
+                timeout: float = 180) -> dict[str, Any]:
+    from flywheel.api.status import collect
+
+    deadline = time.monotonic() + timeout
+    while True:
+        status = await collect(settings)
+        done = (status["trajectories"] >= expected_rows and status["dlq"] >= expected_dlq
+                and status["outbox_pending"] == 0
+                and status["lag"][settings.ingest.group_id]["total"] == 0
+                and status["lag"][settings.miner.group_id]["total"] == 0)
+        if done or time.monotonic() > deadline:
+            return status
+        await asyncio.sleep(0.5)
+
+
+async def _freeze(settings: Settings) -> tuple[int, int]:
+    from flywheel.db.engine import make_engine
+    from flywheel.mining.store import freeze_eval_set
+    from flywheel.runtime.endpoints import resolve_db_url
+
+    engine = make_engine(resolve_db_url(settings), pool_size=1)
+    try:
+        async with engine.begin() as conn:
+            return await freeze_eval_set(conn, settings.topics.tasks)
+    finally:
+        await engine.dispose()
+
+
+DEMO_ENV = {
+    # Small enough for a 2-core CPU in ~15 minutes; every figure is still measured by the
+    # gate on frozen holdout tasks. Any of these can be overridden from the environment.
+    # The bundled 135M model is trained as the support agent's tool-calling policy: the
+    # loop samples and gates its `tool_call` tasks. Workplace and code failures are still
+    # mined into tasks (shown above), for a policy of their own — multi-step episodes with
+    # long prompts cost minutes per group on a CPU.
+    "FLYWHEEL_ROLLOUT__ENVS": '["tool_call"]',
+    "FLYWHEEL_GATE__SAMPLES_PER_TASK": "4",
+    "FLYWHEEL_TRAINER__SFT_STEPS": "20",
+    "FLYWHEEL_TRAINER__PUBLISH_EVERY": "2",
+}
+
+
+def _demo_settings(base: Settings) -> Settings:
+    """A fresh stack of its own under `<home>/demo` on free ports, with the demo's sizes."""
+    import os
+    import shutil
+
+    from flywheel.runtime.broker import free_port
+    from flywheel.runtime.stack import down
+
+    home = base.home / "demo"
+    old = base.model_copy(update={"home": home})
+    down(old)  # a previous `demo --keep` still running
+    shutil.rmtree(home, ignore_errors=True)
+    for key, value in DEMO_ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ.update({"FLYWHEEL_HOME": str(home.resolve()),
+                       "FLYWHEEL_KAFKA__LOCAL_PORT": str(free_port()),
+                       "FLYWHEEL_DB__LOCAL_PORT": str(free_port()),
+                       "FLYWHEEL_API__PORT": str(free_port())})
+    return Settings()
+
+
+async def _watch(settings: Settings, deadline: float) -> Any:
+    """Report the loop as it turns; return the final progress once it has turned."""
+    from flywheel.db.engine import make_engine
+    from flywheel.demo.watch import decision_line, finished, read_progress
+    from flywheel.runtime.endpoints import resolve_db_url
+
+    engine = make_engine(resolve_db_url(settings), pool_size=1)
+    seen: set[str] = set()
+    t0 = time.monotonic()
+    marks: dict[str, float] = {}
+    try:
+        with console.status("waiting for the gate's baseline…") as spinner:
+            while True:
+                async with engine.connect() as conn:
+                    p = await read_progress(conn, settings.rollout.policy)
+                now = time.monotonic() - t0
+                if p.baseline and "baseline" not in seen:
+                    seen.add("baseline")
+                    marks["baseline"] = now
+                    b = p.baseline["base"]
+                    console.print(f"[bold]baseline[/bold] (base model, {b['tasks']} holdout "
+                                  f"tasks × k): success {b['success_rate']:.2f}, invalid "
+                                  f"outputs {b['invalid_rate']:.2f} → next stage: "
+                                  f"[bold]{p.baseline['recommendation']}[/bold] — "
+                                  f"{p.baseline['reason']}")
+                for a in p.adapters:
+                    key = f"v{a['version']}"
+                    if key not in seen:
+                        seen.add(key)
+                        marks.setdefault(f"first_{a['stage']}_version", now)
+                        parent = a["parent_version"]
+                        console.print(f"trainer published [bold]{key}[/bold] ({a['stage']}, "
+                                      f"{a['steps']} steps, parent "
+                                      f"{f'v{parent}' if parent else 'base'})")
+                for d in p.decisions:
+                    key = f"d{d['version']}-{d['state']}"
+                    if d["state"] in ("promoted", "rejected") and key not in seen:
+                        seen.add(key)
+                        marks.setdefault("first_decision", now)
+                        console.print(f"[bold]gate[/bold]: {decision_line(d)}")
+                t = p.trainer or {}
+                spinner.update(f"trainer {t.get('state', 'starting')}: "
+                               f"{t.get('detail') or ''} — {p.groups} scored groups, "
+                               f"production {'v' + str(p.production) if p.production else 'base'}"
+                               f" — {max(0, deadline - time.monotonic()):.0f}s left")
+                if finished(p) or time.monotonic() > deadline:
+                    marks["loop"] = time.monotonic() - t0
+                    return p, marks
+                await asyncio.sleep(2)
+    finally:
+        await engine.dispose()
+
+
+def run_demo(settings: Settings, *, keep: bool = False, minutes: float = 18.0) -> int:
+    from flywheel.demo.watch import summary
+    from flywheel.runtime.stack import detach, down
+
+    t0 = time.monotonic()
+    stages: dict[str, float] = {}
+    console.rule("flywheel demo: agents' failures → a better model, gated on held-out tasks")
+    top = settings.home
+    settings = _demo_settings(settings)
+    with console.status("starting the local stack (broker, Postgres, API, consumers)…"):
+        run = detach(settings)
+    stages["stack_up"] = time.monotonic() - t0
+    console.print(f"stack ready in {stages['stack_up']:.1f}s — api {run['api_url']}"
+                  + (f", dashboard {run['dashboard_url']}" if run.get("dashboard_url") else ""))
+    mark = time.monotonic()
+    rng = random.Random(int(time.time()))
+    asyncio.run(_publish(settings, run, rng))
+    with console.status("waiting until every trajectory is stored or dead-lettered and "
+                        "every failure is mined…"):
+        status = asyncio.run(_wait(settings, SDK_TRAJECTORIES + GATEWAY_TRAJECTORIES,
+                                   BAD_PAYLOADS))
+    stages["ingest_and_mining"] = time.monotonic() - mark
+    _show_status(status)
+    ok = (status["trajectories"] == SDK_TRAJECTORIES + GATEWAY_TRAJECTORIES
+          and status["dlq"] == BAD_PAYLOADS and status["tasks"] > 0)
+    version, frozen = asyncio.run(_freeze(settings))
+    envs = ", ".join(settings.rollout.envs) or "all"
+    console.print(f"eval set v{version} frozen: {frozen} holdout tasks (training never sees "
+                  f"them); this policy is trained and gated on its {envs} tasks")
+    deadline = t0 + minutes * 60
+    mark = time.monotonic()
+    progress, marks = asyncio.run(_watch(settings, deadline))
+    stages.update(_loop_stages(marks))
+    result = summary(progress, stages, time.monotonic() - t0)
+    (top / "demo-summary.json").write_text(json.dumps(result, indent=2, default=str))
+    _show_summary(result)
+    ok = ok and bool(result["decisions"])
+    if keep:
+        console.print(f"The stack is still running: FLYWHEEL_HOME={settings.home} flywheel "
+                      "status | adapters ls | promotions ls; stop it with the same "
+                      "FLYWHEEL_HOME and `flywheel down`.")
+    else:
+        down(settings)
+        console.print(f"Stack stopped (demo data kept in {settings.home}).")
+    console.print(f"summary written to {top / 'demo-summary.json'}")
+    return 0 if ok else 1
+
+
+def _loop_stages(marks: dict[str, float]) -> dict[str, float]:
+    """Seconds per stage of the loop, from the moments the watcher saw each milestone."""
+    order = [("baseline", "baseline"), ("sft_warm_start", "first_sft_version"),
+             ("gate_first_decision", "first_decision"), ("grpo_and_gate", "loop")]
+    out, last = {}, 0.0
+    for name, key in order:
+        if key in marks:
+            out[name] = marks[key] - last
+            last = marks[key]
+    return out
+
+
+def _show_status(status: dict[str, Any]) -> None:
+    table = Table(title="ingest and mining")
+    table.add_column("what")
+    table.add_column("count", justify="right")
+    for key in ("trajectories", "failures", "dlq", "tasks", "tasks_holdout", "unverifiable"):
+        table.add_row(key, str(status[key]))
+    for reason, n in status["dlq_by_reason"].items():
+        table.add_row(f"  dlq: {reason}", str(n))
+    for mode, n in status["failure_modes"].items():
+        table.add_row(f"  failure: {mode}", str(n))
+    console.print(table)
+
+
+def _show_summary(result: dict[str, Any]) -> None:
+    h = result["holdout"]
+    table = Table(title="holdout success (measured by the gate on frozen holdout tasks)")
+    for col in ("policy", "success", "decision", "why"):
+        table.add_column(col)
+    table.add_row("base model", _pct(h["base_success"]), "", "")
+    for d in result["decisions"]:
+        table.add_row(f"v{d['version']} ({d['stage']})", _pct(d["candidate_success"]),
+                      d["state"], "; ".join(d["reasons"])[:160])
+    prod = f"v{h['production_version']}" if h["production_version"] else "base model"
+    table.add_row(f"production now: {prod}", _pct(h["production_success"]), "", "")
+    console.print(table)
+    console.print("seconds per stage: " + ", ".join(f"{k} {v:.0f}"
+                                                    for k, v in result["stages"].items()))
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"

@@ -1,0 +1,114 @@
+"""What `make demo` watches while the loop turns, and the summary it ends with.
+
+Reads only Postgres projections (baselines, adapter_versions, evaluations, trainer_status),
+so the figures are the gate's own: holdout success on the frozen eval set, never training
+reward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from flywheel.adapters.queries import list_adapters, production
+from flywheel.gate.baseline import latest_baseline
+
+
+@dataclass
+class Progress:
+    baseline: dict[str, Any] | None = None
+    adapters: list[dict[str, Any]] = field(default_factory=list)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    trainer: dict[str, Any] | None = None
+    groups: int = 0
+    production: int | None = None
+
+
+async def read_progress(conn: AsyncConnection, policy: str) -> Progress:
+    p = Progress(baseline=await latest_baseline(conn, policy),
+                 adapters=await list_adapters(conn, policy),
+                 production=(await production(conn, policy))["version"])
+    p.decisions = [dict(r) for r in (await conn.execute(text("""
+        SELECT e.version, e.baseline_version, e.recommendation, e.state, e.created_at,
+               e.decided_at, e.record, a.stage
+        FROM evaluations e JOIN adapter_versions a USING (policy, version)
+        WHERE e.policy = :p ORDER BY e.created_at"""), {"p": policy})).mappings()]
+    rejected = [dict(r) for r in (await conn.execute(text("""
+        SELECT version, status FROM adapter_versions WHERE policy = :p AND status = 'rejected'
+          AND evaluation_id IS NULL"""), {"p": policy})).mappings()]
+    for r in rejected:  # superseded before evaluation: a decision without a record
+        p.decisions.append({"version": r["version"], "state": "rejected", "record": None,
+                            "recommendation": "reject", "superseded": True})
+    trainer = (await conn.execute(text("""SELECT state, detail, version, steps, metrics
+        FROM trainer_status WHERE policy = :p"""), {"p": policy})).mappings().first()
+    p.trainer = dict(trainer) if trainer else None
+    p.groups = int((await conn.execute(text("SELECT count(*) FROM rollout_groups"))).scalar_one())
+    return p
+
+
+def decided(p: Progress) -> list[dict[str, Any]]:
+    return [d for d in p.decisions if d["state"] in ("promoted", "rejected")]
+
+
+def finished(p: Progress, *, grpo_decisions: int = 2) -> bool:
+    """The loop has turned once: the warm start (if any) and `grpo_decisions` GRPO
+    candidates were decided by the gate."""
+    done = decided(p)
+    sft_needed = bool(p.baseline and p.baseline["recommendation"] == "sft")
+    sft_done = any(d.get("stage") == "sft" for d in done) or not sft_needed
+    grpo_done = sum(1 for d in done if d.get("stage") == "grpo" and d.get("record")) \
+        >= grpo_decisions
+    return sft_done and grpo_done
+
+
+def decision_line(d: dict[str, Any]) -> str:
+    if d.get("record") is None:
+        return f"v{d['version']}: rejected without evaluation (superseded by a newer version)"
+    r = d["record"]
+    c, b = r["candidate"], r["baseline"]
+    vs = f"v{r['baseline_version']}" if r["baseline_version"] else "base"
+    return (f"v{d['version']} ({d.get('stage', '?')}) vs {vs}: holdout success "
+            f"{b['success_rate']:.2f} → {c['success_rate']:.2f}, p = {r['p_value']:.3f} → "
+            f"{d['state']}; {r['reasons'][0]}")
+
+
+def summary(p: Progress, stages: dict[str, float], wall_s: float) -> dict[str, Any]:
+    """The figures of `.flywheel/demo-summary.json` (all measured by the gate on holdout)."""
+    base = p.baseline["base"]["success_rate"] if p.baseline else None
+    by_version: dict[int, float] = {}
+    decisions = []
+    for d in p.decisions:
+        r = d.get("record")
+        if r is not None:
+            by_version[d["version"]] = r["candidate"]["success_rate"]
+            if base is None and r["baseline_version"] is None:
+                base = r["baseline"]["success_rate"]
+        decisions.append({
+            "version": d["version"], "stage": d.get("stage"), "state": d["state"],
+            "recommendation": d["recommendation"],
+            "against": None if r is None else r["baseline_version"],
+            "candidate_success": None if r is None else r["candidate"]["success_rate"],
+            "production_success": None if r is None else r["baseline"]["success_rate"],
+            "p_value": None if r is None else r["p_value"],
+            "reasons": ["superseded by a newer version before evaluation"] if r is None
+            else r["reasons"]})
+    production_success = base if p.production is None else by_version.get(p.production)
+    return {
+        "holdout": {"base_success": base, "production_success": production_success,
+                    "production_version": p.production,
+                    "candidates": {f"v{v}": s for v, s in sorted(by_version.items())},
+                    "eval_set_version": (p.baseline or {}).get("eval_set_version")},
+        "baseline": None if p.baseline is None else {
+            "recommendation": p.baseline["recommendation"], "reason": p.baseline["reason"],
+            "invalid_rate": p.baseline["base"]["invalid_rate"],
+            "groups": p.baseline["base"]["groups"]},
+        "decisions": decisions,
+        "adapters": [{k: a[k] for k in ("version", "parent_version", "stage", "steps",
+                                        "groups", "status")} for a in p.adapters],
+        "scored_groups": p.groups,
+        "stages": {k: round(v, 1) for k, v in stages.items()},
+        "wall_s": round(wall_s, 1),
+    }

@@ -1,0 +1,122 @@
+"""Ingest's repository: trajectory rows and dead letters, added in the caller's transaction
+(never committed here)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from asyncpg.exceptions import UniqueViolationError
+from sqlalchemy import text
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from flywheel.ingest.decode import Accepted, Rejected
+
+_INSERT_TRAJECTORIES = text("""
+INSERT INTO trajectories (trajectory_id, agent, session_id, status, is_failure, model,
+                          adapter_version, started_at, ended_at, source_topic,
+                          source_partition, source_offset, record)
+SELECT u.id, u.agent, u.session_id, u.status, u.is_failure, u.model, u.adapter_version,
+       u.started_at, u.ended_at, u.topic, u.part, u.off, u.record::jsonb
+FROM unnest(CAST(:ids AS uuid[]), CAST(:agents AS text[]), CAST(:sessions AS text[]),
+            CAST(:statuses AS text[]), CAST(:failures AS boolean[]), CAST(:models AS text[]),
+            CAST(:adapters AS text[]), CAST(:starts AS timestamptz[]),
+            CAST(:ends AS timestamptz[]), CAST(:topics AS text[]), CAST(:parts AS int[]),
+            CAST(:offs AS bigint[]), CAST(:records AS text[]))
+     AS u(id, agent, session_id, status, is_failure, model, adapter_version, started_at,
+          ended_at, topic, part, off, record)
+ON CONFLICT (trajectory_id) DO NOTHING
+RETURNING is_failure
+""")
+
+_INSERT_DEAD_LETTERS = text("""
+INSERT INTO dead_letters (topic, partition, "offset", key, raw, reason, error)
+SELECT * FROM unnest(CAST(:topics AS text[]), CAST(:parts AS int[]), CAST(:offs AS bigint[]),
+                     CAST(:keys AS bytea[]), CAST(:raws AS bytea[]), CAST(:reasons AS text[]),
+                     CAST(:errors AS text[]))
+ON CONFLICT ON CONSTRAINT uq_dead_letters_position DO NOTHING
+RETURNING topic, partition, "offset"
+""")
+
+@dataclass(frozen=True)
+class TrajectoryWrite:
+    inserted: int
+    failures: int
+    duplicates: int
+
+
+TRAJECTORY_COLUMNS = ["trajectory_id", "agent", "session_id", "status", "is_failure", "model",
+                      "adapter_version", "started_at", "ended_at", "source_topic",
+                      "source_partition", "source_offset", "record"]
+
+
+async def insert_trajectories(conn: AsyncConnection, batch: Sequence[Accepted]) -> TrajectoryWrite:
+    """Write a batch idempotently: re-delivered ids are skipped.
+
+    Fast path: binary COPY straight into the table inside a savepoint. A batch holding an id
+    that is already stored (a redelivery after a crash, or a re-sent record) violates the
+    primary key; the savepoint is rolled back and the batch takes the `ON CONFLICT DO
+    NOTHING` path. Either way the effect is the same rows.
+    """
+    if not batch:
+        return TrajectoryWrite(0, 0, 0)
+    try:
+        async with conn.begin_nested():
+            raw = await conn.get_raw_connection()
+            driver: Any = raw.driver_connection
+            await driver.copy_records_to_table(
+                "trajectories", columns=TRAJECTORY_COLUMNS, records=[_row(a) for a in batch])
+        failures = sum(a.row.is_failure for a in batch)
+        return TrajectoryWrite(len(batch), failures, 0)
+    except (UniqueViolationError, IntegrityError):
+        return await _insert_skipping_duplicates(conn, batch)
+
+
+def _row(a: Accepted) -> tuple[Any, ...]:
+    r = a.row
+    return (r.trajectory_id, r.agent, r.session_id, r.status, r.is_failure, r.model,
+            r.adapter_version, r.started_at, r.ended_at, a.source.topic, a.source.partition,
+            a.source.offset, a.record_json)
+
+
+async def _insert_skipping_duplicates(conn: AsyncConnection,
+                                      batch: Sequence[Accepted]) -> TrajectoryWrite:
+    rs = [a.row for a in batch]
+    result = await conn.execute(_INSERT_TRAJECTORIES, {
+        "ids": [r.trajectory_id for r in rs],
+        "agents": [r.agent for r in rs],
+        "sessions": [r.session_id for r in rs],
+        "statuses": [r.status for r in rs],
+        "failures": [r.is_failure for r in rs],
+        "models": [r.model for r in rs],
+        "adapters": [r.adapter_version for r in rs],
+        "starts": [r.started_at for r in rs],
+        "ends": [r.ended_at for r in rs],
+        "topics": [a.source.topic for a in batch],
+        "parts": [a.source.partition for a in batch],
+        "offs": [a.source.offset for a in batch],
+        "records": [a.record_json for a in batch],
+    })
+    flags = result.scalars().all()
+    return TrajectoryWrite(len(flags), sum(flags), len(batch) - len(flags))
+
+
+async def insert_dead_letters(
+    conn: AsyncConnection, rejected: Sequence[Rejected]
+) -> list[Rejected]:
+    """Returns the rejections that were new (a re-delivered bad message is stored once)."""
+    if not rejected:
+        return []
+    rows = await conn.execute(_INSERT_DEAD_LETTERS, {
+        "topics": [r.source.topic for r in rejected],
+        "parts": [r.source.partition for r in rejected],
+        "offs": [r.source.offset for r in rejected],
+        "keys": [r.source.key for r in rejected],
+        "raws": [r.source.value for r in rejected],
+        "reasons": [r.reason for r in rejected],
+        "errors": [r.error for r in rejected],
+    })
+    new = {(t, p, o) for t, p, o in rows.all()}
+    return [r for r in rejected if (r.source.topic, r.source.partition, r.source.offset) in new]

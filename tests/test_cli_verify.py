@@ -1,0 +1,75 @@
+"""`flywheel verify check|profile` and `flywheel tasks ls|show` as an operator runs them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from flywheel.cli.main import app
+from flywheel.db.engine import make_engine
+from flywheel.demo.simulate import simulate
+from flywheel.mining.service import mine_batch
+from flywheel.schemas import parse_trajectory
+
+pytestmark = [pytest.mark.postgres]
+runner = CliRunner()
+
+
+async def _mined(db_url: str) -> None:
+    engine = make_engine(db_url)
+    async with engine.begin() as conn:
+        records = simulate(1200, agents=3, failure_rate=0.5, seed=4)
+        await mine_batch(conn, [parse_trajectory(r) for r in records], holdout_fraction=0.2,
+                         tasks_topic="t.tasks")
+    await engine.dispose()
+
+
+def test_tasks_and_verify_commands(db_url: str, tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    asyncio.run(_mined(db_url))  # the CLI runs its own event loop: this test is sync
+    monkeypatch.setenv("FLYWHEEL_DB__URL", db_url)
+    monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
+
+    ls = runner.invoke(app, ["tasks", "ls", "--env", "tool_call", "--json", "--limit", "5"])
+    assert ls.exit_code == 0, ls.output
+    rows = json.loads(ls.stdout)
+    assert len(rows) == 5 and all(r["env"] == "tool_call" for r in rows)
+
+    show = runner.invoke(app, ["tasks", "show", rows[0]["task_id"], "--json"])
+    assert show.exit_code == 0, show.output
+    task = json.loads(show.stdout)
+    assert task["sources"] and task["split"] in {"train", "holdout"}
+    assert task["verifier"]["kind"] == "tool_call"
+
+    spec = {k: task[k] for k in ("task_id", "env", "messages", "tools", "verifier",
+                                 "failure_mode", "fingerprint", "split")}
+    (tmp_path / "task.json").write_text(json.dumps(spec))
+    expected = task["verifier"]["expected"]
+    right = json.dumps({"tool": expected["name"], "arguments": expected["arguments"]})
+    outputs = [right, "not json at all", json.dumps({"tool": "nope", "arguments": {}})]
+    (tmp_path / "out.jsonl").write_text("\n".join(json.dumps(o) for o in outputs))
+    check = runner.invoke(app, ["verify", "check", "--task", str(tmp_path / "task.json"),
+                                "--outputs", str(tmp_path / "out.jsonl"), "--json"])
+    assert check.exit_code == 0, check.output
+    results = [json.loads(line) for line in check.stdout.splitlines()]
+    assert [r["reward"] == 1.0 for r in results] == [True, False, False]
+    assert results[1]["failure_mode"] == "invalid_format"
+    assert results[2]["failure_mode"] == "hallucinated_tool"
+
+    for env in ("tool_call", "workplace", "code"):
+        prof = runner.invoke(app, ["verify", "profile", "--env", env, "--sample", "40",
+                                   "--json"])
+        assert prof.exit_code == 0, prof.output
+        data = json.loads(prof.stdout)
+        attempts = data["production_attempts"]
+        assert attempts["count"] > 0
+        assert attempts["exact_success"] < 0.5  # these were failures in production
+        if data["reference"] is not None:
+            assert data["reference"]["exact_success"] == 1.0, (env, data["reference"])
+
+    bad = runner.invoke(app, ["tasks", "show", "not-a-uuid"])
+    assert bad.exit_code == 2 and "not a task id" in bad.output

@@ -1,0 +1,274 @@
+"""SFT warm start without services: trajectories → demonstrations, the holdout filter, token
+labels (the real tokenizer), and the completion-only loss on a tiny stand-in model."""
+
+from __future__ import annotations
+
+import copy
+import json
+import uuid
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from flywheel.demo.samples import TOOLS
+from flywheel.environments.prompt import TOOL_PREFILL, build_prompt
+from flywheel.mining.build import build_task, request_key, split_of
+from flywheel.mining.classify import classify_failure
+from flywheel.mining.demos import (
+    Candidate,
+    Demonstration,
+    HeldOut,
+    demonstration_from_task,
+    select,
+    success_demonstration,
+    success_task,
+)
+from flywheel.schemas import Trajectory, parse_trajectory
+from flywheel.tasks import TaskSpec
+from flywheel.trainer.sft import (
+    IGNORE,
+    SFTExample,
+    collate,
+    completion_loss,
+    encode_demonstration,
+    end_of_turn_ids,
+    sft_step,
+)
+
+SYSTEM = "You are a support bot. Use the tools."
+WEATHER = {"city": "Paris", "unit": "c"}
+UNSAFE = {"type": "function", "name": "delete_all_tickets", "x-unsafe": True,
+          "parameters": {"type": "object", "properties": {}}}
+
+
+def record(prompt: str, calls: list[tuple[str, Any, str]], *, status: str = "success",
+           session: str = "s-1", outcome: dict[str, Any] | None = None,
+           tools: list[dict[str, Any]] | None = None, meta: dict[str, Any] | None = None
+           ) -> Trajectory:
+    """A support-bot trajectory; `calls` are (tool, arguments, output status)."""
+    items: list[dict[str, Any]] = [{"type": "message", "role": "system", "content": SYSTEM},
+                                   {"type": "message", "role": "user", "content": prompt}]
+    for n, (name, args, out) in enumerate(calls):
+        items += [{"type": "function_call", "call_id": f"c{n}", "name": name,
+                   "arguments": args if isinstance(args, str) else json.dumps(args)},
+                  {"type": "function_call_output", "call_id": f"c{n}", "output": "{}",
+                   "status": out}]
+    items.append({"type": "message", "role": "assistant", "content": "Done."})
+    rec: dict[str, Any] = {"trajectory_id": str(uuid.uuid4()), "agent": "support-bot",
+                           "session_id": session, "tools": TOOLS if tools is None else tools,
+                           "items": items, "outcome": {"status": status, **(outcome or {})}}
+    if meta:
+        rec["metadata"] = meta
+    return parse_trajectory(rec)
+
+
+def corrected(name: str, args: dict[str, Any]) -> dict[str, Any]:
+    return {"human_intervention": {"corrected_items": [
+        {"type": "function_call", "call_id": "fix", "name": name,
+         "arguments": json.dumps(args)}]}}
+
+
+# --- trajectories → demonstrations ---------------------------------------------------------
+
+def test_a_success_teaches_its_first_call_as_the_rollout_prompts_it() -> None:
+    t = record("What's the weather in Paris?",
+               [("get_weather", WEATHER, "ok"), ("send_email", {"to": "a@b.c"}, "ok")])
+    demo = success_demonstration(t)
+    task = success_task(t)
+    assert demo is not None
+    assert task is not None
+    prompt = build_prompt(task)
+    assert demo.messages == prompt.messages and demo.prefill == prompt.prefill == TOOL_PREFILL
+    assert SYSTEM in demo.messages[0]["content"] and "get_weather" in demo.messages[0]["content"]
+    assert demo.messages[-1] == {"role": "user", "content": "What's the weather in Paris?"}
+    assert json.loads(demo.prefill + demo.completion) == {"tool": "get_weather",
+                                                          "arguments": WEATHER}
+    assert demo.source_trajectory_id == t.trajectory_id and demo.env == "tool_call"
+
+
+def test_a_success_has_the_fingerprint_the_miner_gives_the_same_failed_request() -> None:
+    ok = record("What's the weather in Paris?", [("get_weather", WEATHER, "ok")])
+    failed = record("What's the weather in Paris?", [("get_weather", {"city": "Paris"}, "ok")],
+                    status="failure", session="s-2",
+                    outcome=corrected("get_weather", WEATHER))
+    demo = success_demonstration(ok)
+    task = build_task(failed, classify_failure(failed, None))
+    assert isinstance(task, TaskSpec) and demo is not None
+    fixed = demonstration_from_task(task, failed.trajectory_id)  # what a train task gives
+    assert fixed is not None
+    assert demo.fingerprint == fixed.fingerprint == task.fingerprint
+    assert (demo.messages, demo.completion) == (fixed.messages, fixed.completion)
+    assert fixed.source_trajectory_id == failed.trajectory_id
+
+
+def test_a_failure_teaches_only_its_correction() -> None:
+    """A failure is never a demonstration itself; its train task, once a person or a retry
+    says what was right, demonstrates the correction."""
+    wrong = [("send_email", {"to": "x@y.z", "subject": "weather"}, "ok")]
+    bare = record("What's the weather in Paris?", wrong, status="failure")
+    assert success_demonstration(bare) is None
+    assert not isinstance(build_task(bare, classify_failure(bare, None)), TaskSpec)
+    by_person = record("What's the weather in Paris?", wrong, status="failure",
+                       outcome=corrected("get_weather", WEATHER))
+    retry = record("What's the weather in Paris?", [("get_weather", WEATHER, "ok")])
+    tasks = [build_task(by_person, classify_failure(by_person, None)),
+             build_task(bare, classify_failure(bare, None), retry=retry)]
+    for task in tasks:
+        assert isinstance(task, TaskSpec)
+        demo = demonstration_from_task(task, uuid.uuid4())
+        assert demo is not None
+        assert json.loads(demo.prefill + demo.completion)["tool"] == "get_weather"
+
+
+@pytest.mark.parametrize("case", ["first_call_errored", "hallucinated", "unsafe",
+                                  "arguments_not_json", "no_call", "workplace", "no_tools"])
+def test_successes_that_demonstrate_nothing_usable(case: str) -> None:
+    prompt = "What's the weather in Paris?"
+    t = {
+        "first_call_errored": lambda: record(prompt, [("get_weather", {"city": 1}, "error"),
+                                                      ("get_weather", WEATHER, "ok")]),
+        "hallucinated": lambda: record(prompt, [("get_forecast", WEATHER, "ok")]),
+        "unsafe": lambda: record(prompt, [("delete_all_tickets", {}, "ok")],
+                                 tools=[*TOOLS, UNSAFE]),
+        "arguments_not_json": lambda: record(prompt, [("get_weather", '{"city": "Par', "ok")]),
+        "no_call": lambda: record(prompt, []),
+        "workplace": lambda: record(prompt, [("get_weather", WEATHER, "ok")], meta={
+            "environment": {"name": "workplace", "initial_state": {}}}),
+        "no_tools": lambda: record(prompt, [("get_weather", WEATHER, "ok")], tools=[]),
+    }[case]()
+    assert success_demonstration(t) is None
+
+
+def _demo(fp: str, completion: str = 'x"}') -> Demonstration:
+    return Demonstration(messages=[{"role": "user", "content": fp}], prefill=TOOL_PREFILL,
+                         completion=completion, source_trajectory_id=uuid.uuid4(),
+                         fingerprint=fp, env="tool_call")
+
+
+def test_select_dedupes_orders_and_refuses_everything_holdout_owns() -> None:
+    src, req = uuid.uuid4(), ("s-9", "k")
+    train_fp = "f0" * 32  # split_of: 0xf0f0f0f0 / 2³² ≈ 0.94, so train
+    cands = [Candidate(_demo("0b"), (uuid.uuid4(),), ()),
+             Candidate(_demo("0a"), (uuid.uuid4(),), ()),
+             Candidate(_demo("0a"), (uuid.uuid4(),), ()),          # duplicate of the above
+             Candidate(_demo("0a", 'y"}'), (uuid.uuid4(),), ()),   # same task, other call
+             Candidate(_demo("0e"), (uuid.uuid4(),), ()),          # a holdout fingerprint
+             Candidate(_demo("0c"), (uuid.uuid4(), src), ()),      # a holdout source
+             Candidate(_demo("0d"), (uuid.uuid4(),), (req,)),     # a holdout request
+             Candidate(_demo(train_fp), (uuid.uuid4(),), ())]
+    held = HeldOut(frozenset({"0e"}), frozenset({src}), frozenset({req}))
+    picked = select(cands, held)
+    assert [(d.fingerprint, d.completion) for d in picked] == [
+        ("0a", 'x"}'), ("0a", 'y"}'), ("0b", 'x"}'), (train_fp, 'x"}')]
+    assert picked[0].source_trajectory_id == cands[1].demo.source_trajectory_id  # first kept
+    assert select(cands, held, limit=2) == picked[:2]
+    # With the miner's fraction, fingerprints it would hold out later are refused too.
+    prospective = select(cands, HeldOut(holdout_fraction=0.2))
+    assert all(split_of(d.fingerprint, 0.2) == "train" for d in prospective)
+    assert train_fp in {d.fingerprint for d in prospective}
+    assert not {"0a", "0b"} & {d.fingerprint for d in prospective}  # 0x0a / 2³² < 0.2
+
+
+def test_request_of_a_retry_matches_its_failure() -> None:
+    a = record("What's  the weather in PARIS?", [], status="failure")
+    b = record("what's the weather in paris?", [("get_weather", WEATHER, "ok")])
+    assert request_key(a) == request_key(b)
+
+
+# --- tokens and labels --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    from flywheel.policy.model_cache import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(None), local_files_only=True)
+
+
+def test_labels_cover_exactly_the_completion_and_the_end_of_turn(tokenizer: Any) -> None:
+    from flywheel.policy.local import chat_prompt_ids
+
+    demo = success_demonstration(record("What's the weather in Paris?",
+                                        [("get_weather", WEATHER, "ok")]))
+    assert demo is not None
+    end = end_of_turn_ids(tokenizer)
+    assert end == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    ex = encode_demonstration(tokenizer, demo, end)
+    prompt = chat_prompt_ids(tokenizer, demo.messages, demo.prefill)  # what sampling starts from
+    assert ex.input_ids[:len(prompt)] == prompt
+    assert ex.labels[:len(prompt)] == [IGNORE] * len(prompt)
+    trained = ex.input_ids[len(prompt):]
+    assert ex.labels[len(prompt):] == trained and ex.target_len == len(trained)
+    assert trained[-1] == end[0]
+    assert tokenizer.decode(trained[:-1]) == demo.completion
+    assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n" + TOOL_PREFILL)
+
+
+def test_collate_left_pads_and_keeps_the_last_targets() -> None:
+    a = SFTExample([1, 2, 3, 4], [IGNORE, IGNORE, 3, 4])
+    b = SFTExample([5, 6, 7], [IGNORE, IGNORE, 7])
+    batch = collate([a, b], pad_id=0)
+    assert batch["ids"].tolist() == [[1, 2, 3, 4], [0, 5, 6, 7]]
+    assert batch["attn"].tolist() == [[1, 1, 1, 1], [0, 1, 1, 1]]
+    assert batch["targets"].tolist() == [[3, 4], [IGNORE, 7]]
+
+
+class Bigram(torch.nn.Module):
+    """Next-token logits from the current token only: losses are easy to compute by hand."""
+
+    def __init__(self, vocab: int = 9) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(vocab, vocab))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor, logits_to_keep: int) -> SimpleNamespace:
+        return SimpleNamespace(logits=self.table[input_ids][:, -logits_to_keep:])
+
+
+EXAMPLES = [SFTExample([1, 2, 3, 4, 5], [IGNORE, IGNORE, IGNORE, 4, 5]),
+            SFTExample([6, 7, 8], [IGNORE, IGNORE, 8]),
+            SFTExample([2, 2, 3, 1], [IGNORE, 2, 3, 1])]
+
+
+def test_completion_loss_scores_only_targets_from_the_token_before() -> None:
+    torch.manual_seed(0)
+    model = Bigram()
+    loss, n, _ = completion_loss(model, collate(EXAMPLES, pad_id=0))
+    logp = torch.log_softmax(model.table.detach(), -1)
+    by_hand = -sum(logp[e.input_ids[t - 1], e.input_ids[t]]
+                   for e in EXAMPLES for t in range(len(e.input_ids)) if e.labels[t] != IGNORE)
+    assert n == 6
+    assert float(loss.detach()) == pytest.approx(float(by_hand), rel=1e-5)
+
+
+def test_sft_step_is_the_same_update_whatever_the_micro_batch() -> None:
+    torch.manual_seed(0)
+    a = Bigram()
+    b = copy.deepcopy(a)
+    ma = sft_step(a, torch.optim.SGD(a.parameters(), lr=0.5), EXAMPLES, pad_id=0,
+                  micro_batch=1, grad_clip=100.0)
+    mb = sft_step(b, torch.optim.SGD(b.parameters(), lr=0.5), EXAMPLES, pad_id=0,
+                  micro_batch=8, grad_clip=100.0)
+    assert torch.allclose(a.table, b.table, atol=1e-6)
+    assert ma["loss"] == pytest.approx(mb["loss"], rel=1e-6) and ma["tokens"] == 6
+    after, _, _ = completion_loss(a, collate(EXAMPLES, pad_id=0))
+    assert float(after.detach()) / 6 < ma["loss"]  # the step lowered the loss it reported
+
+
+def test_sft_batches_shuffle_once_wrap_around_and_never_repeat_within_a_batch() -> None:
+    from flywheel.trainer.sft import sft_batches
+
+    batches = list(sft_batches(list(range(10)), steps=4, batch=4))
+    assert [len(b) for b in batches] == [4, 4, 4, 4]
+    assert all(len(set(b)) == len(b) for b in batches)
+    flat = [x for b in batches for x in b]
+    assert sorted(flat[:10]) == list(range(10))   # one pass over all before any repeat
+    assert flat[10:] == flat[:6]                  # then the same order again
+    assert flat[:10] != list(range(10))            # shuffled (fixed seed)
+    assert batches == list(sft_batches(list(range(10)), steps=4, batch=4))
+    few = list(sft_batches([1, 2], steps=2, batch=8))  # fewer demonstrations than a batch
+    assert len(few) == 2 and all(sorted(b) == [1, 2] for b in few)
+    assert list(sft_batches([], steps=3, batch=8)) == []
