@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from flywheel.events import GroupScoredPayload
 from flywheel.mining.demos import Demonstration
-from flywheel.policy.local import token_logprobs
+from flywheel.policy.logprobs import token_logprobs
 from flywheel.trainer.grpo import GRPOConfig, group_advantages, grpo_loss, pad_batch
 from flywheel.trainer.prefix import (
     EncodedPrompt,

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from flywheel.policy.local import token_logprobs
+from flywheel.policy.logprobs import token_logprobs
 
 
 @dataclass
