@@ -75,14 +75,13 @@ async def write_batch(engine: AsyncEngine, topics: Topics, records: list[RawReco
     async with engine.begin() as conn:
         written = await insert_trajectories(conn, accepted)
         new_dead = await insert_dead_letters(conn, rejected)
-        events: list[tuple[Event, str | None]] = [
-            (dead_letter_event(r), topics.trajectories_dlq) for r in new_dead]
+        events: list[Event] = [dead_letter_event(r) for r in new_dead]
         if written.inserted or new_dead:
-            events.append((ingested_event(records, inserted=written.inserted,
-                                          duplicates=written.duplicates,
-                                          failures=written.failures,
-                                          dead_lettered=len(new_dead)), topics.ingest))
-        await append_events(conn, events)
+            events.append(ingested_event(records, inserted=written.inserted,
+                                         duplicates=written.duplicates,
+                                         failures=written.failures,
+                                         dead_lettered=len(new_dead)))
+        await append_events(conn, events, topics)
     if new_dead:
         log.warning("dead-lettered %d of %d messages", len(new_dead), len(records))
 

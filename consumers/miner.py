@@ -59,7 +59,7 @@ def build_app(settings: Settings) -> FastStream:
         async with engine.begin() as conn:
             stats = await mine_batch(conn, trajectories,
                                      holdout_fraction=cfg.holdout_fraction,
-                                     tasks_topic=settings.topics.tasks)
+                                     topics=settings.topics)
         if stats.failures or stats.upgraded:
             log.info("mined %d failures: %d new tasks, %d joined, %d unverifiable, "
                      "%d upgraded by retries", stats.failures, stats.tasks_created,

@@ -17,16 +17,16 @@ import asyncio
 import logging
 import random
 
-from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from flywheel.adapters import registry
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
-from flywheel.gate.baseline import latest_baseline
 from flywheel.rollout import store
 from flywheel.rollout.select import pick_tasks
 from flywheel.runtime.endpoints import resolve_db_url
 from flywheel.runtime.service import pause, run_loop
+from flywheel.trainer.store import trainer_state
 
 log = logging.getLogger("flywheel.scheduler")
 
@@ -36,27 +36,21 @@ async def schedule_once(engine: AsyncEngine, settings: Settings, rng: random.Ran
     cfg = settings.rollout
     budget = cfg.max_staleness * cfg.train_batch_groups
     async with engine.begin() as conn:
-        await conn.execute(text("SELECT pg_advisory_xact_lock(hashtext('flywheel-scheduler'))"))
+        await store.lock_scheduler(conn)
         # A request unanswered for long (its message lost with a memory-only broker, or a
         # worker that keeps failing) must not hold budget or its task forever.
-        expired = (await conn.execute(text("""
-            UPDATE rollout_requests SET status = 'expired', done_at = now()
-            WHERE status = 'requested'
-              AND created_at < now() - make_interval(secs => :ttl)"""),
-            {"ttl": 3 * cfg.rollout_timeout_s})).rowcount
+        expired = await store.expire_requests(conn, older_than_s=3 * cfg.rollout_timeout_s)
         if expired:
             log.warning("expired %d unanswered rollout requests", expired)
         room = budget - await store.backlog(conn) - await store.outstanding(conn)
         if room <= 0:
             return 0
-        version = (await conn.execute(text(
-            "SELECT max(version) FROM adapter_versions WHERE policy = :p"),
-            {"p": cfg.policy})).scalar()
+        version = await registry.newest_version(conn, settings.policy)
         if version is None and await _warm_starting(conn, settings):
             return 0
         picked = pick_tasks(await store.candidate_stats(conn, cfg.envs), room, rng,
                             explore_share=cfg.explore_share, min_attempts=cfg.group_size)
-        await store.request_rollouts(conn, picked, version, settings.topics.rollout_requests)
+        await store.request_rollouts(conn, picked, version, settings.topics)
     return len(picked)
 
 
@@ -67,12 +61,11 @@ async def _warm_starting(conn: AsyncConnection, settings: Settings) -> bool:
     baseline, no demonstrations) goes on with GRPO, and so does sampling."""
     if settings.trainer.stages != "sft_then_grpo":
         return False
-    policy = settings.rollout.policy
-    state = (await conn.execute(text("SELECT state FROM trainer_status WHERE policy = :p"),
-                                {"p": policy})).scalar()
+    policy = settings.policy
+    state = await trainer_state(conn, policy)
     if state in ("waiting", "training", "starved", "stalled"):
         return False
-    baseline = await latest_baseline(conn, policy)
+    baseline = await registry.latest_baseline(conn, policy)
     return baseline is None or baseline["recommendation"] == "sft"
 
 

@@ -25,7 +25,7 @@ import contextlib
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from faststream import AckPolicy, FastStream
 from faststream.kafka import KafkaBroker
@@ -38,6 +38,9 @@ from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
 from flywheel.runtime.service import LOG_FORMAT, cancel_all, run_faststream
 from flywheel.trainer.service import TrainerService
 
+if TYPE_CHECKING:
+    from flywheel.trainer.ranks import Ranks
+
 log = logging.getLogger("flywheel.trainer")
 HEARTBEAT_S = 2.0
 
@@ -46,7 +49,7 @@ async def _raw_batch(msg: StreamMessage[Any]) -> Any:
     return msg.raw_message
 
 
-def build_app(settings: Settings, ranks: Any = None) -> FastStream:
+def build_app(settings: Settings, ranks: Ranks | None = None) -> FastStream:
     """`ranks`: this process is rank 0 of a torchrun job (`flywheel.trainer.distributed`)."""
     broker = KafkaBroker(resolve_bootstrap(settings), logger=log)
     engine = make_engine(resolve_db_url(settings), pool_size=2)

@@ -7,7 +7,7 @@ Environment variables use the `FLYWHEEL_` prefix and `__` for nesting, e.g.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -74,8 +74,6 @@ class RolloutSettings(BaseModel):
     """Base URLs of every vLLM replica (each gets every adapter version)."""
     vllm_model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
     """Base model name as served by vLLM."""
-    policy: str = "policy"
-    """Policy name: adapter version N is served as `<policy>@v<N>`."""
     envs: list[str] = Field(default_factory=list)
     """Environments this policy is trained and gated on (e.g. `["tool_call"]`); empty = all.
     Tasks of other environments are still mined and kept, for another policy."""
@@ -287,6 +285,10 @@ class Settings(BaseSettings):
 
     home: Path = Path(".flywheel")
     """Local state: Postgres data, logs, run.json, SDK spool."""
+    policy: str = Field(default="policy", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    """The policy this deployment trains, gates and serves (`FLYWHEEL_POLICY`): adapter
+    version N is served as `<policy>@v<N>`. Read by the trainer, the gate, rollouts, serving
+    and the API."""
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     db: DbSettings = Field(default_factory=DbSettings)
     ingest: IngestSettings = Field(default_factory=IngestSettings)
@@ -297,6 +299,20 @@ class Settings(BaseSettings):
     gate: GateSettings = Field(default_factory=GateSettings)
     relay: RelaySettings = Field(default_factory=RelaySettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _policy_moved(cls, data: Any) -> Any:
+        """`rollout.policy` (FLYWHEEL_ROLLOUT__POLICY) was the setting's old place."""
+        if isinstance(data, dict) and isinstance(data.get("rollout"), dict) \
+                and "policy" in data["rollout"]:
+            rollout = dict(data["rollout"])
+            old = rollout.pop("policy")
+            if data.get("policy") not in (None, old):
+                raise ValueError(f"policy is set twice: {data['policy']!r} and (in its old "
+                                 f"place, rollout.policy) {old!r}; keep FLYWHEEL_POLICY only")
+            data = {**data, "rollout": rollout, "policy": old}
+        return data
 
     @property
     def topics(self) -> Topics:
@@ -326,6 +342,20 @@ class Topics(BaseModel, frozen=True):
             adapters=f"{prefix}.adapters",
         )
 
+    def for_event(self, event_type: str) -> str:
+        """The topic every event of `event_type` is published to: the one routing table."""
+        route = {"DeadLettered": self.trajectories_dlq, "TrajectoriesIngested": self.ingest,
+                 "TaskCreated": self.tasks, "EvalSetFrozen": self.tasks,
+                 "RolloutRequested": self.rollout_requests, "GroupScored": self.rollouts,
+                 **dict.fromkeys(("AdapterTrained", "AdapterEvaluated", "AdapterPromoted",
+                                  "AdapterRejected", "AdapterRolledBack", "ServingSwitched"),
+                                 self.adapters)}
+        try:
+            return route[event_type]
+        except KeyError:
+            raise KeyError(f"no topic for event type {event_type!r}: add it to "
+                           "Topics.for_event") from None
+
     def all(self) -> list[str]:
         return [self.trajectories, self.trajectories_dlq, self.ingest, self.tasks,
                 self.rollout_requests, self.rollouts, self.adapters]
@@ -335,7 +365,8 @@ def settings_env(settings: Settings) -> dict[str, str]:
     """Environment variables that rebuild `settings` in a child process."""
     import json
 
-    env: dict[str, str] = {"FLYWHEEL_HOME": str(settings.home.resolve())}
+    env: dict[str, str] = {"FLYWHEEL_HOME": str(settings.home.resolve()),
+                           "FLYWHEEL_POLICY": settings.policy}
     for section in ("kafka", "db", "ingest", "miner", "rollout", "trainer", "artifacts", "gate",
                     "relay", "api"):
         model = getattr(settings, section)

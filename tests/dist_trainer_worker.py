@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from flywheel.trainer import distributed, ranks as process_group
+from flywheel.trainer import distributed
+from flywheel.trainer import ranks as process_group
 from flywheel.trainer.engine import LoRASpec, LoRATrainer
 from flywheel.trainer.grpo import GRPOConfig
 

@@ -43,7 +43,7 @@ async def train(engine: AsyncEngine, settings: Settings, version: int) -> None:
         stale_dropped=0, metrics={"loss": 0.1, "reward_mean": 0.3}))
     async with engine.begin() as conn:
         await lifecycle.project(conn, event)
-        await append_events(conn, [(event, settings.topics.adapters)])
+        await append_events(conn, [event], settings.topics)
 
 
 async def evaluate(engine: AsyncEngine, settings: Settings, version: int,
@@ -52,7 +52,7 @@ async def evaluate(engine: AsyncEngine, settings: Settings, version: int,
         current, _ = await lifecycle.lock_production(conn, POLICY)
         payload = decision_payload(settings, version, current, 1, run(version, rate),
                                    run(current, base_rate))
-        return await lifecycle.record_evaluation(conn, payload, settings.topics.adapters)
+        return await lifecycle.record_evaluation(conn, payload, settings.topics)
 
 
 async def production(engine: AsyncEngine) -> int | None:
@@ -94,7 +94,7 @@ async def test_auto_mode_promotes_rejects_and_rollback_restores(
 
     async with engine.begin() as conn:
         back = await lifecycle.rollback(conn, POLICY, to=None, actor="ops", reason="bad in prod",
-                                        topic=s.topics.adapters)
+                                        topics=s.topics)
     assert (back.payload.from_version, back.payload.to_version) == (3, 1)
     assert await production(engine) == 1 and await status(engine, 3) == "rolled_back"
 
@@ -104,19 +104,19 @@ async def test_auto_mode_promotes_rejects_and_rollback_restores(
     with pytest.raises(lifecycle.LifecycleError, match="already promoted"):
         async with engine.begin() as conn:
             await lifecycle.approve(conn, uuid.UUID(old["evaluation_id"]), actor="ops",
-                                    reason="again", topic=s.topics.adapters)
+                                    reason="again", topics=s.topics)
     # … a new evaluation can.
     events = await evaluate(engine, s, 3, rate=1.0, base_rate=0.75)
     assert events[-1].type == "AdapterPromoted" and await production(engine) == 3
 
     async with engine.begin() as conn:
         await lifecycle.rollback(conn, POLICY, to=lifecycle.BASE, actor="ops", reason="all off",
-                                 topic=s.topics.adapters)
+                                 topics=s.topics)
     assert await production(engine) is None
     with pytest.raises(lifecycle.LifecycleError, match="base model"):
         async with engine.begin() as conn:
             await lifecycle.rollback(conn, POLICY, to=None, actor="ops", reason="x",
-                                     topic=s.topics.adapters)
+                                     topics=s.topics)
     async with engine.connect() as conn:
         revision = (await conn.execute(text("SELECT revision FROM production"))).scalar()
         moves = (await conn.execute(text("""SELECT count(*) FROM events
@@ -142,7 +142,7 @@ async def test_manual_mode_waits_for_an_operator(engine: AsyncEngine,
     eid = evaluated.payload.evaluation_id  # type: ignore[union-attr]
     async with engine.begin() as conn:
         promoted = await lifecycle.approve(conn, eid, actor="alice", reason="looks right",
-                                           topic=s.topics.adapters)
+                                           topics=s.topics)
     assert promoted.payload.previous_version is None and await production(engine) == 1
 
     await train(engine, s, 2)
@@ -151,10 +151,10 @@ async def test_manual_mode_waits_for_an_operator(engine: AsyncEngine,
     with pytest.raises(lifecycle.LifecycleError, match="--force"):
         async with engine.begin() as conn:
             await lifecycle.approve(conn, bad_id, actor="alice", reason="ship it",
-                                    topic=s.topics.adapters)
+                                    topics=s.topics)
     async with engine.begin() as conn:
         await lifecycle.reject(conn, bad_id, actor="alice", reason="no gain",
-                               topic=s.topics.adapters)
+                               topics=s.topics)
     async with engine.connect() as conn:
         record = await queries.get_evaluation(conn, bad_id)
     assert record is not None and record["state"] == "rejected"
@@ -170,7 +170,7 @@ async def test_promote_and_rollback_racing_exactly_one_wins(
     (first,) = await evaluate(engine, s, 1, rate=0.75, base_rate=0.25)
     async with engine.begin() as conn:
         await lifecycle.approve(conn, first.payload.evaluation_id,  # type: ignore[union-attr]
-                                actor="a", reason="r", topic=s.topics.adapters)
+                                actor="a", reason="r", topics=s.topics)
     version = 1
     for _ in range(5):
         version += 1
@@ -183,13 +183,13 @@ async def test_promote_and_rollback_racing_exactly_one_wins(
         async def promote(eid: uuid.UUID = eid) -> str:
             async with engine.begin() as conn:
                 await lifecycle.approve(conn, eid, actor="a", reason="r",
-                                        topic=s.topics.adapters)
+                                        topics=s.topics)
             return "promote"
 
         async def roll() -> str:
             async with engine.begin() as conn:
                 await lifecycle.rollback(conn, POLICY, to=lifecycle.BASE, actor="b",
-                                         reason="r", topic=s.topics.adapters)
+                                         reason="r", topics=s.topics)
             return "rollback"
 
         results = await asyncio.gather(promote(), roll(), return_exceptions=True)
@@ -216,7 +216,7 @@ async def test_promote_and_rollback_racing_exactly_one_wins(
             (fresh,) = await evaluate(engine, s, version, rate=1.0, base_rate=0.25)
             async with engine.begin() as conn:
                 await lifecycle.approve(conn, fresh.payload.evaluation_id,  # type: ignore
-                                        actor="c", reason="restore", topic=s.topics.adapters)
+                                        actor="c", reason="restore", topics=s.topics)
     await assert_replay_identical(engine)
 
 

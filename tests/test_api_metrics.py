@@ -84,7 +84,7 @@ async def seed_lifecycle(engine: AsyncEngine, settings: Settings) -> uuid.UUID:
     (first,) = await evaluate(engine, s, 1, rate=0.75, base_rate=0.25)
     async with engine.begin() as conn:
         await lifecycle.approve(conn, evaluation_id(first), actor="ops", reason="good",
-                                topic=s.topics.adapters)
+                                topics=s.topics)
     await train(engine, s, 2)
     (second,) = await evaluate(engine, s, 2, rate=1.0, base_rate=0.75)
     await train(engine, s, 3)
@@ -241,7 +241,7 @@ async def test_demo_progress_reads_the_gate_records(seeded: Seeded, engine: Asyn
                                                     settings: Settings) -> None:
     """What `make demo` watches comes from the same projections as the status."""
     async with engine.connect() as conn:
-        p = await read_progress(conn, settings.rollout.policy)
+        p = await read_progress(conn, settings.policy)
     assert p.production == 1 and p.baseline is None and p.groups == 4
     assert [(a["version"], a["status"]) for a in p.adapters] == [
         (1, "promoted"), (2, "evaluated"), (3, "candidate")]

@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flywheel.cli.main import app
+from flywheel.config import Topics
 from flywheel.db.engine import make_engine
 from flywheel.demo.simulate import simulate
 from flywheel.mining.service import mine_batch
@@ -24,7 +25,7 @@ async def _mined(db_url: str) -> None:
     async with engine.begin() as conn:
         records = simulate(1200, agents=3, failure_rate=0.5, seed=4)
         await mine_batch(conn, [parse_trajectory(r) for r in records], holdout_fraction=0.2,
-                         tasks_topic="t.tasks")
+                         topics=Topics.for_prefix("t"))
     await engine.dispose()
 
 

@@ -48,7 +48,7 @@ async def test_crash_after_commit_before_publish(settings: Settings, db_url: str
     events = [_event(i) for i in range(5)]
     engine = make_engine(db_url)
     async with engine.begin() as conn:  # the domain transaction commits; then the "crash"
-        assert await append_events(conn, [(e, topic) for e in events]) == 5
+        assert await append_events(conn, events, settings.topics) == 5
     await engine.dispose()
     assert await scalar(pg_dsn, "SELECT count(*) FROM outbox WHERE published_at IS NULL") == 5
 
@@ -71,7 +71,7 @@ async def test_append_is_idempotent_on_event_id(settings: Settings, db_url: str,
     event = _event(1)
     for _ in range(2):
         async with engine.begin() as conn:
-            await append_events(conn, [(event, "x")])
+            await append_events(conn, [event], settings.topics)
     await engine.dispose()
     assert await scalar(pg_dsn, "SELECT count(*) FROM events") == 1
     assert await scalar(pg_dsn, "SELECT count(*) FROM outbox") == 1
@@ -85,14 +85,14 @@ async def test_row_the_broker_refuses_is_parked_not_blocking(settings: Settings,
     await ensure_topics(settings.kafka.bootstrap, [topic], partitions=1)
     engine = make_engine(db_url)
     async with engine.begin() as conn:
-        await append_events(conn, [(_event(1), topic)])
+        await append_events(conn, [_event(1)], settings.topics)
         from sqlalchemy import text
 
         # A row larger than any broker accepts, queued between two good ones.
         await conn.execute(text("INSERT INTO outbox (event_id, topic, key, value) "
                                 "VALUES (gen_random_uuid(), :t, 'k', :v)"),
                            {"t": topic, "v": b"x" * (9 * 1_048_576)})
-        await append_events(conn, [(_event(2), topic)])
+        await append_events(conn, [_event(2)], settings.topics)
     await engine.dispose()
     relay = spawn("producers.relay", settings, tmp_path / "relay.log")
     try:

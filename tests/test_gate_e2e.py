@@ -54,16 +54,16 @@ async def _publish_version(settings: Settings, store: AdapterStore, version: int
     trainer = await asyncio.to_thread(LoRATrainer, resolve_model_dir(None),
                                       lora=LoRASpec(r=4), grpo=GRPOConfig(), lr=1e-4)
     await asyncio.to_thread(trainer.save, work / f"v{version}")
-    ref = store.publish(settings.rollout.policy, version, work / f"v{version}",
+    ref = store.publish(settings.policy, version, work / f"v{version}",
                         base_model="smollm2", steps=version, parent_version=version - 1 or None)
     event = AdapterTrained(aggregate_id=ref.name, payload=AdapterTrainedPayload(
-        policy=settings.rollout.policy, version=version, parent_version=version - 1 or None,
+        policy=settings.policy, version=version, parent_version=version - 1 or None,
         path=str(ref.path), stage="grpo", steps=version, groups=0, stale_dropped=0,
         metrics={}))
     engine = make_engine(settings.db.url or "")
     async with engine.begin() as conn:
         await lifecycle.project(conn, event)
-        await append_events(conn, [(event, settings.topics.adapters)])
+        await append_events(conn, [event], settings.topics)
     await engine.dispose()
 
 
@@ -88,8 +88,8 @@ async def test_gate_promotes_waits_for_approval_rolls_back_and_replays(
     async with engine.begin() as conn:
         for city in ("Oslo", "Lima", "Pune"):
             await store_task(conn, _holdout(city), uuid.uuid4(), "human_correction",
-                             s.topics.tasks)
-        await freeze_eval_set(conn, s.topics.tasks)
+                             s.topics)
+        await freeze_eval_set(conn, s.topics)
     store = AdapterStore(tmp_path / "adapters")
     procs = [spawn("producers.relay", s, tmp_path / "relay.log"),
              spawn("consumers.gate", s, tmp_path / "gate.log")]
@@ -123,7 +123,7 @@ async def test_gate_promotes_waits_for_approval_rolls_back_and_replays(
             assert (await conn.execute(text("SELECT version FROM production"))).scalar() == 1
         async with engine.begin() as conn:
             await lifecycle.approve(conn, evaluated.payload.evaluation_id,  # type: ignore
-                                    actor="alice", reason="reviewed", topic=s.topics.adapters)
+                                    actor="alice", reason="reviewed", topics=s.topics)
 
         # Serving follows production: v2, then back to v1 after the rollback.
         serving = ServingSync(manual, engine, policy)
@@ -133,7 +133,7 @@ async def test_gate_promotes_waits_for_approval_rolls_back_and_replays(
         assert (await serving.chat(request))["model"] == "policy@v2"
         async with engine.begin() as conn:
             back = await lifecycle.rollback(conn, "policy", to=None, actor="bob",
-                                            reason="regressed", topic=s.topics.adapters)
+                                            reason="regressed", topics=s.topics)
         assert back.payload.to_version == 1
         assert await serving.sync_once()
         answer = await serving.chat(request)

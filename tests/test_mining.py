@@ -8,6 +8,7 @@ import uuid
 import asyncpg
 import pytest
 
+from flywheel.config import Topics
 from flywheel.db.engine import make_engine
 from flywheel.demo.simulate import simulate
 from flywheel.mining import store
@@ -22,7 +23,7 @@ async def _mine(db_url: str, records: list[dict[str, object]]) -> None:
     engine = make_engine(db_url)
     async with engine.begin() as conn:
         await mine_batch(conn, [parse_trajectory(r) for r in records], holdout_fraction=0.2,
-                         tasks_topic="t.tasks")
+                         topics=Topics.for_prefix("t"))
     await engine.dispose()
 
 
@@ -83,7 +84,7 @@ async def test_training_selection_refuses_holdout_tasks(db_url: str) -> None:
     await _mine(db_url, records)
     engine = make_engine(db_url)
     async with engine.begin() as conn:
-        version, frozen = await store.freeze_eval_set(conn, "t.tasks")
+        version, frozen = await store.freeze_eval_set(conn, Topics.for_prefix("t"))
         assert version == 1 and frozen > 0
         train = await store.training_tasks(conn, limit=10_000)
         assert train and all(t.split == "train" for t in train)

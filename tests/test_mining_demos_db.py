@@ -9,9 +9,10 @@ from typing import Any
 import asyncpg
 import pytest
 
-from flywheel.ingest import store as repo
+from flywheel.config import Topics
 from flywheel.db.engine import make_engine
 from flywheel.demo.simulate import simulate
+from flywheel.ingest import store as repo
 from flywheel.ingest.decode import RawRecord, classify
 from flywheel.mining import store
 from flywheel.mining.build import build_task, expected_calls, split_of
@@ -35,8 +36,8 @@ async def _ingest_and_mine(db_url: str, records: list[dict[str, Any]]) -> None:
     async with engine.begin() as conn:
         await repo.insert_trajectories(conn, accepted)
         await mine_batch(conn, [parse_trajectory(r) for r in records], holdout_fraction=0.2,
-                         tasks_topic="t.tasks")
-        await store.freeze_eval_set(conn, "t.tasks")
+                         topics=Topics.for_prefix("t"))
+        await store.freeze_eval_set(conn, Topics.for_prefix("t"))
     await engine.dispose()
 
 

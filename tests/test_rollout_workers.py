@@ -34,13 +34,13 @@ async def test_workers_share_requests_and_survive_a_kill(settings: Settings, db_
     async with engine.begin() as conn:
         records = simulate(600, agents=1, failure_rate=0.8, seed=12)
         await mine_batch(conn, [parse_trajectory(r) for r in records], holdout_fraction=0.0,
-                         tasks_topic=s.topics.tasks)
+                         topics=s.topics)
         from sqlalchemy import text
 
         task_ids = list((await conn.execute(text(
             "SELECT task_id FROM tasks WHERE env = 'tool_call' ORDER BY task_id LIMIT :n"),
             {"n": GROUPS})).scalars())
-        await request_rollouts(conn, task_ids, None, s.topics.rollout_requests)
+        await request_rollouts(conn, task_ids, None, s.topics)
     await engine.dispose()
     assert len(task_ids) == GROUPS
 

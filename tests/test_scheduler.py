@@ -28,8 +28,8 @@ async def test_requests_stay_within_staleness_budget(settings: Settings, db_url:
     async with engine.begin() as conn:
         records = simulate(1500, agents=3, failure_rate=0.6, seed=31)
         await mine_batch(conn, [parse_trajectory(r) for r in records], holdout_fraction=0.2,
-                         tasks_topic=s.topics.tasks)
-        await freeze_eval_set(conn, s.topics.tasks)
+                         topics=s.topics)
+        await freeze_eval_set(conn, s.topics)
     rng = random.Random(0)
     assert await schedule_once(engine, s, rng) == 6  # budget: 2 versions × 3 groups
     assert await schedule_once(engine, s, rng) == 0  # all outstanding: nothing more
@@ -70,7 +70,7 @@ async def test_no_base_model_rollouts_while_the_warm_start_is_pending(
     async with engine.begin() as conn:
         records = simulate(600, agents=1, failure_rate=0.6, seed=5)
         await mine_batch(conn, [parse_trajectory(r) for r in records], holdout_fraction=0.2,
-                         tasks_topic=settings.topics.tasks)
+                         topics=settings.topics)
     rng = random.Random(0)
     assert settings.trainer.stages == "sft_then_grpo"
     assert await schedule_once(engine, settings, rng) == 0  # no baseline yet

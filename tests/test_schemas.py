@@ -103,3 +103,21 @@ def test_event_union_round_trip() -> None:
         source_topic="t", partition=0, offset=1, reason="schema", error="x", size_bytes=1,
         raw_preview="x"))
     assert parse_event(e.model_dump_json()) == e
+
+
+def test_every_event_type_has_one_topic() -> None:
+    """The routing table next to `Topics` covers the whole event union (a new event type
+    without a topic fails here, not at its first publish)."""
+    from typing import get_args
+
+    from flywheel.config import Topics
+    from flywheel.events import Event
+
+    topics = Topics.for_prefix("p")
+    union = get_args(get_args(Event)[0])
+    types = [cls.model_fields["type"].default for cls in union]
+    assert len(types) == 12
+    assert {t: topics.for_event(t) for t in types}["GroupScored"] == "p.rollouts"
+    assert {topics.for_event(t) for t in types} <= set(topics.all())
+    with pytest.raises(KeyError, match=r"add it to Topics\.for_event"):
+        topics.for_event("Unknown")

@@ -241,7 +241,7 @@ async def test_kill_and_resume_trains_every_group_exactly_once(
     engine = make_engine(db_url)
     async with engine.begin() as conn:
         for task, g in groups:
-            await store_task(conn, task, uuid.uuid4(), "test", s.topics.tasks)
+            await store_task(conn, task, uuid.uuid4(), "test", s.topics)
             from sqlalchemy import text
 
             await conn.execute(text("""INSERT INTO rollout_groups (group_id, task_id, env,

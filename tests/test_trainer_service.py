@@ -12,7 +12,7 @@ import pytest
 from aiokafka import TopicPartition
 from sqlalchemy import text
 
-from flywheel.config import Settings
+from flywheel.config import Settings, Topics
 from flywheel.db.engine import make_engine
 from flywheel.demo.samples import TOOLS
 from flywheel.events import GroupScored, GroupScoredPayload, ScoredRollout
@@ -62,7 +62,7 @@ async def test_stale_groups_are_dropped_recorded_and_committed(settings: Setting
                     failure_mode="other", fingerprint="stale", split="train")
     groups = [_group(task.task_id, v) for v in (1, 2, 4)]  # current version 5
     async with engine.begin() as conn:
-        await store_task(conn, task, uuid.uuid4(), "test", "t")
+        await store_task(conn, task, uuid.uuid4(), "test", Topics.for_prefix("t"))
         for g in groups:
             await conn.execute(text("""INSERT INTO rollout_groups (group_id, task_id, env,
                 scored, not_run, trainable, rollouts, worker, duration_ms, adapter_version)

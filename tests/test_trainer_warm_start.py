@@ -44,7 +44,7 @@ async def test_first_stage_follows_the_baseline(settings: Settings, db_url: str,
     s = _settings(settings, tmp_path)
     engine = make_engine(db_url)
     async with engine.begin() as conn:
-        await store_baseline(conn, s.rollout.policy, 1, _base(invalid, success), None, s.gate)
+        await store_baseline(conn, s.policy, 1, _base(invalid, success), None, s.gate)
     service = TrainerService(s, engine)
     await service.start()
     async with engine.connect() as conn:

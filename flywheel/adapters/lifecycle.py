@@ -19,6 +19,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from flywheel.config import Topics
 from flywheel.db.outbox import append_events
 from flywheel.events import (
     LIFECYCLE_EVENTS,
@@ -156,9 +157,9 @@ async def _supersede_pending(conn: AsyncConnection, policy: str) -> None:
 
 # ---------------------------------------------------------------- commands
 
-async def apply_event(conn: AsyncConnection, event: Event, topic: str) -> Event:
+async def apply_event(conn: AsyncConnection, event: Event, topics: Topics) -> Event:
     await project(conn, event)
-    await append_events(conn, [(event, topic)])
+    await append_events(conn, [event], topics)
     return event
 
 
@@ -171,22 +172,22 @@ async def lock_production(conn: AsyncConnection, policy: str) -> tuple[int | Non
 
 
 async def record_evaluation(conn: AsyncConnection, payload: AdapterEvaluatedPayload,
-                            topic: str) -> list[Event]:
+                            topics: Topics) -> list[Event]:
     """Record the decision; in `auto` mode also carry it out (promote or reject)."""
     current, _ = await lock_production(conn, payload.policy)
     if current != payload.baseline_version:
         raise Conflict(f"production of {payload.policy!r} moved to {version_label(current)} while "
                        f"{version_label(payload.baseline_version)} was the baseline; re-evaluate")
     events: list[Event] = [await apply_event(conn, AdapterEvaluated(
-        aggregate_id=adapter_key(payload.policy, payload.version), payload=payload), topic)]
+        aggregate_id=adapter_key(payload.policy, payload.version), payload=payload), topics)]
     if payload.mode == "auto":
         reason = " ".join(payload.reasons)
         if payload.recommendation == "promote":
             events.append(await approve(conn, payload.evaluation_id, actor="gate",
-                                        reason=reason, topic=topic))
+                                        reason=reason, topics=topics))
         else:
             events.append(await reject(conn, payload.evaluation_id, actor="gate",
-                                       reason=reason, topic=topic))
+                                       reason=reason, topics=topics))
     return events
 
 
@@ -200,7 +201,7 @@ async def _evaluation(conn: AsyncConnection, evaluation_id: uuid.UUID) -> Any:
 
 
 async def approve(conn: AsyncConnection, evaluation_id: uuid.UUID, *, actor: str, reason: str,
-                  topic: str, force: bool = False) -> AdapterPromoted:
+                  topics: Topics, force: bool = False) -> AdapterPromoted:
     ev = await _evaluation(conn, evaluation_id)
     current, revision = await lock_production(conn, ev["policy"])
     ev = await _evaluation(conn, evaluation_id)  # re-read under the lock
@@ -224,12 +225,12 @@ async def approve(conn: AsyncConnection, evaluation_id: uuid.UUID, *, actor: str
     event = AdapterPromoted(aggregate_id=name, payload=AdapterPromotedPayload(
         policy=ev["policy"], version=ev["version"], previous_version=current,
         evaluation_id=evaluation_id, expected_revision=revision, actor=actor, reason=reason))
-    await apply_event(conn, event, topic)
+    await apply_event(conn, event, topics)
     return event
 
 
 async def reject(conn: AsyncConnection, evaluation_id: uuid.UUID, *, actor: str, reason: str,
-                 topic: str) -> AdapterRejected:
+                 topics: Topics) -> AdapterRejected:
     ev = await _evaluation(conn, evaluation_id)
     await lock_production(conn, ev["policy"])
     ev = await _evaluation(conn, evaluation_id)
@@ -239,18 +240,18 @@ async def reject(conn: AsyncConnection, evaluation_id: uuid.UUID, *, actor: str,
     event = AdapterRejected(aggregate_id=name, payload=AdapterRejectedPayload(
         policy=ev["policy"], version=ev["version"], evaluation_id=evaluation_id, actor=actor,
         reason=reason))
-    await apply_event(conn, event, topic)
+    await apply_event(conn, event, topics)
     return event
 
 
 async def reject_unevaluated(conn: AsyncConnection, policy: str, version: int, *, actor: str,
-                             reason: str, topic: str) -> AdapterRejected:
+                             reason: str, topics: Topics) -> AdapterRejected:
     await lock_production(conn, policy)
     event = AdapterRejected(aggregate_id=adapter_key(policy, version),
                             payload=AdapterRejectedPayload(policy=policy, version=version,
                                                            evaluation_id=None, actor=actor,
                                                            reason=reason))
-    await apply_event(conn, event, topic)
+    await apply_event(conn, event, topics)
     return event
 
 
@@ -259,7 +260,7 @@ BASE = -1
 
 
 async def rollback(conn: AsyncConnection, policy: str, *, to: int | None, actor: str,
-                   reason: str, topic: str) -> AdapterRolledBack:
+                   reason: str, topics: Topics) -> AdapterRolledBack:
     """Re-point production to an earlier promoted version (default: the one before). From
     the base model (after a rollback to it), `to` names the version to return to."""
     current, revision = await lock_production(conn, policy)
@@ -288,7 +289,7 @@ async def rollback(conn: AsyncConnection, policy: str, *, to: int | None, actor:
                               payload=AdapterRolledBackPayload(
                                   policy=policy, from_version=current, to_version=target,
                                   expected_revision=revision, actor=actor, reason=reason))
-    await apply_event(conn, event, topic)
+    await apply_event(conn, event, topics)
     return event
 
 

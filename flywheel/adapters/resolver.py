@@ -18,7 +18,7 @@ class AdapterResolver:
     stays valid, and a tampered or truncated artifact is refused (`CorruptAdapter`)."""
 
     def __init__(self, engine: AsyncEngine, settings: Settings) -> None:
-        self.engine, self.policy = engine, settings.rollout.policy
+        self.engine, self.policy = engine, settings.policy
         self.store = artifact_store(settings)
         self._verified: dict[int, AdapterRef] = {}
 

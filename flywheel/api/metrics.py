@@ -60,7 +60,7 @@ FROM evaluations WHERE policy = :p ORDER BY created_at DESC LIMIT 1
 
 async def snapshot(conn: AsyncConnection, settings: Settings) -> dict[str, Any]:
     """`status.counts` plus the adapter lifecycle figures of the configured policy."""
-    policy = settings.rollout.policy
+    policy = settings.policy
     data = await counts(conn)
     row = (await conn.execute(_LIFECYCLE, {"p": policy})).mappings().one()
     last = (await conn.execute(_LAST_EVALUATION, {"p": policy})).mappings().first()

@@ -102,7 +102,7 @@ def operator_router() -> APIRouter:
     @router.get("/adapters")
     async def adapters(request: Request, _: Principal = reader) -> dict[str, Any]:
         """Every adapter version of the policy, its status and holdout result."""
-        policy = settings_of(request).rollout.policy
+        policy = settings_of(request).policy
         async with _db(request).connect() as conn:
             return {"production": await queries.production(conn, policy),
                     "adapters": await queries.list_adapters(conn, policy)}
@@ -110,7 +110,7 @@ def operator_router() -> APIRouter:
     @router.get("/adapters/{version}")
     async def adapter(version: int, request: Request, _: Principal = reader) -> dict[str, Any]:
         async with _db(request).connect() as conn:
-            found = await queries.get_adapter(conn, settings_of(request).rollout.policy, version)
+            found = await queries.get_adapter(conn, settings_of(request).policy, version)
         if found is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"no adapter version {version}")
         return found
@@ -124,8 +124,8 @@ def operator_router() -> APIRouter:
         try:
             async with _db(request).begin() as conn:
                 event = await lifecycle.rollback(
-                    conn, settings.rollout.policy, to=to, reason=body.reason,
-                    actor=_actor(principal, x_flywheel_actor), topic=settings.topics.adapters)
+                    conn, settings.policy, to=to, reason=body.reason,
+                    actor=_actor(principal, x_flywheel_actor), topics=settings.topics)
         except lifecycle.LifecycleError as err:
             raise _error(err) from err
         return event.model_dump(mode="json")
@@ -135,7 +135,7 @@ def operator_router() -> APIRouter:
                          _: Principal = reader) -> list[dict[str, Any]]:
         """Gate decision records, newest first (`state=pending` for the review queue)."""
         async with _db(request).connect() as conn:
-            return await queries.list_evaluations(conn, settings_of(request).rollout.policy,
+            return await queries.list_evaluations(conn, settings_of(request).policy,
                                                   state=state)
 
     @router.get("/promotions/{evaluation_id}")
@@ -156,7 +156,7 @@ def operator_router() -> APIRouter:
             async with _db(request).begin() as conn:
                 event = await lifecycle.approve(
                     conn, evaluation_id, actor=_actor(principal, x_flywheel_actor),
-                    reason=body.reason, topic=settings.topics.adapters, force=body.force)
+                    reason=body.reason, topics=settings.topics, force=body.force)
         except lifecycle.LifecycleError as err:
             raise _error(err) from err
         return event.model_dump(mode="json")
@@ -170,7 +170,7 @@ def operator_router() -> APIRouter:
             async with _db(request).begin() as conn:
                 event = await lifecycle.reject(
                     conn, evaluation_id, actor=_actor(principal, x_flywheel_actor),
-                    reason=body.reason, topic=settings.topics.adapters)
+                    reason=body.reason, topics=settings.topics)
         except lifecycle.LifecycleError as err:
             raise _error(err) from err
         return event.model_dump(mode="json")
@@ -179,7 +179,7 @@ def operator_router() -> APIRouter:
     async def serving(request: Request, _: Principal = reader) -> dict[str, Any]:
         """What the `production` alias resolves to, and on which replicas."""
         async with _db(request).connect() as conn:
-            return await queries.production(conn, settings_of(request).rollout.policy)
+            return await queries.production(conn, settings_of(request).policy)
 
     @router.post("/chat/completions", tags=["serving"])
     async def chat(request: Request, _: Principal = require_scope("publish")) -> dict[str, Any]:

@@ -47,7 +47,7 @@ class ServingSync:
     def __init__(self, settings: Settings, engine: AsyncEngine,
                  policy: Policy | None = None) -> None:
         self.settings, self.engine = settings, engine
-        self.name = settings.rollout.policy
+        self.name = settings.policy
         self._policy = policy
         self.adapters = AdapterResolver(engine, settings)
         self.current: Target | None = None
@@ -103,7 +103,7 @@ class ServingSync:
                                         policy=self.name, version=target.version,
                                         served_name=target.name, replicas=self.replicas(),
                                         cause_event_id=cause))
-            await lifecycle.apply_event(conn, event, self.settings.topics.adapters)
+            await lifecycle.apply_event(conn, event, self.settings.topics)
 
     async def run(self, stop: asyncio.Event, poll_s: float = 1.0) -> None:
         while not stop.is_set():

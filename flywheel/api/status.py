@@ -16,9 +16,9 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from flywheel.adapters import queries
+from flywheel.adapters.registry import latest_baseline
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
-from flywheel.gate.baseline import latest_baseline
 from flywheel.runtime.endpoints import StackNotRunning, resolve_bootstrap, resolve_db_url
 from flywheel.runtime.kafka import group_lag
 
@@ -159,7 +159,7 @@ async def overview(conn: AsyncConnection, settings: Settings) -> dict[str, Any]:
     """`counts` plus what the dashboard draws: the adapter lineage with each version's
     training metrics and holdout result, the holdout curve, the failure-mode breakdown, the
     production pointer and the newest baseline record (None before `flywheel baseline`)."""
-    policy = settings.rollout.policy
+    policy = settings.policy
     data = await counts(conn)
     adapters = await queries.list_adapters(conn, policy)
     holdout = [{**row, "evaluation_id": str(row["evaluation_id"]),

@@ -21,7 +21,7 @@ from typing import Any
 import asyncpg
 
 from flywheel.bench.stack import temp_stack
-from flywheel.config import RolloutSettings, Settings, settings_env
+from flywheel.config import RolloutSettings, Settings, Topics, settings_env
 from flywheel.db.engine import make_engine
 from flywheel.demo.simulate import simulate
 from flywheel.environments.prompt import build_prompt
@@ -37,7 +37,7 @@ async def _tasks(db_url: str, n: int) -> list[TaskSpec]:
     async with engine.begin() as conn:
         records = simulate(40 * n, agents=1, failure_rate=0.8, seed=7)
         await mine_batch(conn, [parse_trajectory(r) for r in records], holdout_fraction=0.0,
-                         tasks_topic="bench.tasks")
+                         topics=Topics.for_prefix("bench"))
         from sqlalchemy import text
 
         rows = (await conn.execute(text(
@@ -63,8 +63,7 @@ async def _worker_side(settings: Settings, tasks: list[TaskSpec], log: Path) -> 
 
         async def submit(batch: list[TaskSpec]) -> None:
             async with engine.begin() as c:
-                await request_rollouts(c, [t.task_id for t in batch], None,
-                                       settings.topics.rollout_requests)
+                await request_rollouts(c, [t.task_id for t in batch], None, settings.topics)
 
         await submit(tasks[:1])  # warm-up: model loaded, group joined
         while await done() < 1:

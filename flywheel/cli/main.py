@@ -230,8 +230,8 @@ def evalset_freeze(as_json: JsonOpt = False) -> None:
     """Freeze today's holdout tasks as the next eval-set version (immutable)."""
     from flywheel.mining.store import freeze_eval_set
 
-    topic = _settings().topics.tasks
-    version, count = _db_call(lambda conn: freeze_eval_set(conn, topic))
+    topics = _settings().topics
+    version, count = _db_call(lambda conn: freeze_eval_set(conn, topics))
     if as_json:
         print(json.dumps({"version": version, "tasks": count}))
     else:

@@ -58,7 +58,7 @@ def promotions_ls(state: Annotated[str | None, typer.Option(
     """Gate decision records, newest first."""
     from flywheel.adapters.queries import list_evaluations
 
-    policy = _settings().rollout.policy
+    policy = _settings().policy
     rows = _db_call(lambda conn: list_evaluations(conn, policy, state=state))
     if as_json:
         print_result(rows, True)
@@ -93,11 +93,11 @@ def promotions_approve(evaluation: str, reason: Reason,
     """Promote the evaluated candidate (manual mode, or overriding with --force)."""
     from flywheel.adapters.lifecycle import approve
 
-    topic = _settings().topics.adapters
+    topics = _settings().topics
 
     async def go(conn: Any) -> Any:
         event = await approve(conn, await _evaluation_id(conn, evaluation), actor=_actor(),
-                              reason=reason, topic=topic, force=force)
+                              reason=reason, topics=topics, force=force)
         return event.model_dump(mode="json")
 
     event = _lifecycle_call(go)
@@ -113,11 +113,11 @@ def promotions_reject(evaluation: str, reason: Reason, as_json: JsonOpt = False)
     """Reject the evaluated candidate."""
     from flywheel.adapters.lifecycle import reject
 
-    topic = _settings().topics.adapters
+    topics = _settings().topics
 
     async def go(conn: Any) -> Any:
         event = await reject(conn, await _evaluation_id(conn, evaluation), actor=_actor(),
-                             reason=reason, topic=topic)
+                             reason=reason, topics=topics)
         return event.model_dump(mode="json")
 
     event = _lifecycle_call(go)
@@ -132,7 +132,7 @@ def adapters_ls(as_json: JsonOpt = False) -> None:
     """Every version: lineage, stage, status, holdout success; production marked."""
     from flywheel.adapters.queries import list_adapters, production
 
-    policy = _settings().rollout.policy
+    policy = _settings().policy
 
     async def go(conn: Any) -> Any:
         return {"production": await production(conn, policy),
@@ -159,7 +159,7 @@ def adapters_show(version: int, as_json: JsonOpt = False) -> None:
     """One version: manifest facts, its events (audit trail) and its evaluations."""
     from flywheel.adapters.queries import get_adapter
 
-    policy = _settings().rollout.policy
+    policy = _settings().policy
     found = _db_call(lambda conn: get_adapter(conn, policy, version))
     if found is None:
         _fail(f"no adapter version {version} (see `flywheel adapters ls`)")
@@ -186,8 +186,8 @@ def adapters_rollback(reason: Reason,
     settings = _settings()
 
     async def go(conn: Any) -> Any:
-        event = await rollback(conn, settings.rollout.policy, to=target, actor=_actor(),
-                               reason=reason, topic=settings.topics.adapters)
+        event = await rollback(conn, settings.policy, to=target, actor=_actor(),
+                               reason=reason, topics=settings.topics)
         return event.model_dump(mode="json")
 
     event = _lifecycle_call(go)

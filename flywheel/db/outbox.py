@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from flywheel.config import Topics
 from flywheel.events import Event
 
 _INSERT_EVENTS = text("""
@@ -30,30 +31,32 @@ ON CONFLICT (event_id) DO NOTHING
 """)
 
 
-async def append_events(conn: AsyncConnection,
-                        events: Sequence[tuple[Event, str | None]]) -> int:
-    """Append events and their outbox rows (topic per event) in the caller's transaction.
+async def append_events(conn: AsyncConnection, events: Sequence[Event],
+                        topics: Topics | None) -> int:
+    """Append events and their outbox rows (each to its topic, `Topics.for_event`) in the
+    caller's transaction; `topics=None` records them without publishing.
 
-    A topic of None records the event without publishing it. Idempotent on `event_id`: an
-    event already recorded is neither appended nor re-queued.
+    Idempotent on `event_id`: an event already recorded is neither appended nor re-queued.
+    Returns how many outbox rows were queued.
     """
     if not events:
         return 0
     result = await conn.execute(_INSERT_EVENTS, {
-        "ids": [e.event_id for e, _ in events],
-        "types": [e.type for e, _ in events],
-        "aggs": [e.aggregate_id for e, _ in events],
-        "ats": [e.occurred_at for e, _ in events],
-        "versions": [e.schema_version for e, _ in events],
-        "payloads": [e.payload.model_dump_json() for e, _ in events],
+        "ids": [e.event_id for e in events],
+        "types": [e.type for e in events],
+        "aggs": [e.aggregate_id for e in events],
+        "ats": [e.occurred_at for e in events],
+        "versions": [e.schema_version for e in events],
+        "payloads": [e.payload.model_dump_json() for e in events],
     })
     new = set(result.scalars().all())
-    fresh = [(e, topic) for e, topic in events if e.event_id in new and topic is not None]
+    fresh = [e for e in events if e.event_id in new] if topics is not None else []
     if fresh:
+        assert topics is not None
         await conn.execute(_INSERT_OUTBOX, {
-            "ids": [e.event_id for e, _ in fresh],
-            "topics": [topic for _, topic in fresh],
-            "keys": [e.aggregate_id for e, _ in fresh],
-            "vals": [e.model_dump_json().encode() for e, _ in fresh],
+            "ids": [e.event_id for e in fresh],
+            "topics": [topics.for_event(e.type) for e in fresh],
+            "keys": [e.aggregate_id for e in fresh],
+            "vals": [e.model_dump_json().encode() for e in fresh],
         })
     return len(fresh)

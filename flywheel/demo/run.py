@@ -84,7 +84,7 @@ async def _freeze(settings: Settings) -> tuple[int, int]:
     engine = make_engine(resolve_db_url(settings), pool_size=1)
     try:
         async with engine.begin() as conn:
-            return await freeze_eval_set(conn, settings.topics.tasks)
+            return await freeze_eval_set(conn, settings.topics)
     finally:
         await engine.dispose()
 
@@ -138,7 +138,7 @@ async def _watch(settings: Settings, deadline: float) -> Any:
         with console.status("waiting for the gate's baseline…") as spinner:
             while True:
                 async with engine.connect() as conn:
-                    p = await read_progress(conn, settings.rollout.policy)
+                    p = await read_progress(conn, settings.policy)
                 now = time.monotonic() - t0
                 if p.baseline and "baseline" not in seen:
                     seen.add("baseline")

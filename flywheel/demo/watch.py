@@ -14,7 +14,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from flywheel.adapters.queries import list_adapters, production
-from flywheel.gate.baseline import latest_baseline
+from flywheel.adapters.registry import latest_baseline
 
 
 @dataclass

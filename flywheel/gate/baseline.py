@@ -62,14 +62,3 @@ async def store_baseline(conn: AsyncConnection, policy: str, eval_set_version: i
         {"id": baseline_id, "p": policy, "e": eval_set_version, "r": json.dumps(record),
          "s": stage})
     return {"baseline_id": str(baseline_id), **record}
-
-
-async def latest_baseline(conn: AsyncConnection, policy: str,
-                          eval_set_version: int | None = None) -> dict[str, Any] | None:
-    row = (await conn.execute(text("""SELECT baseline_id, record, created_at FROM baselines
-        WHERE policy = :p AND (CAST(:e AS int) IS NULL OR eval_set_version = :e)
-        ORDER BY created_at DESC LIMIT 1"""), {"p": policy, "e": eval_set_version})).first()
-    if row is None:
-        return None
-    return {"baseline_id": str(row.baseline_id), "created_at": row.created_at.isoformat(),
-            **row.record}

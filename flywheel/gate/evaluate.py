@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from flywheel.adapters.registry import newest_eval_set
 from flywheel.config import Settings
 from flywheel.environments import load_environment
 from flywheel.events import ScoredRollout
@@ -40,7 +41,7 @@ async def load_holdout(conn: AsyncConnection, max_tasks: int | None = None,
                        envs: list[str] | None = None) -> Holdout:
     """The tasks of the newest frozen eval set in the policy's environments (`envs`; empty =
     all), a deterministic subset if capped."""
-    version = (await conn.execute(text("SELECT max(version) FROM eval_sets"))).scalar()
+    version = await newest_eval_set(conn)
     if version is None:
         raise NoEvalSet("no eval set is frozen yet: run `flywheel evalset freeze` once the "
                         "miner has produced holdout tasks")
@@ -73,7 +74,7 @@ def _attempt(task: TaskSpec, r: ScoredRollout) -> Attempt:
 
 def run_key(settings: Settings, version: int | None, holdout: Holdout) -> str:
     g, r = settings.gate, settings.rollout
-    parts = {"policy": r.policy, "version": version, "eval_set": holdout.eval_set_version,
+    parts = {"policy": settings.policy, "version": version, "eval_set": holdout.eval_set_version,
              "envs": sorted(r.envs),
              "tasks": [str(t.task_id) for t in holdout.tasks], "k": g.samples_per_task,
              "temperature": g.temperature, "seed": g.seed, "max_tokens": r.max_tokens,

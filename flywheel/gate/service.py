@@ -11,10 +11,9 @@ import logging
 import uuid
 from typing import Any
 
-from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from flywheel.adapters import lifecycle
+from flywheel.adapters import lifecycle, registry
 from flywheel.adapters.resolver import AdapterResolver
 from flywheel.config import Settings
 from flywheel.events import AdapterEvaluatedPayload, AdapterTrainedPayload, Event
@@ -35,7 +34,7 @@ log = logging.getLogger("flywheel.gate")
 class GateService:
     def __init__(self, settings: Settings, engine: AsyncEngine, policy: Policy) -> None:
         self.settings, self.engine, self.policy = settings, engine, policy
-        self.name = settings.rollout.policy
+        self.name = settings.policy
         self.adapters = AdapterResolver(engine, settings)
 
     async def run_for(self, version: int | None, holdout: Holdout) -> EvalRun:
@@ -59,16 +58,16 @@ class GateService:
     async def baseline(self, *, force: bool = False) -> dict[str, Any] | None:
         """Measure the base model (and production) on the newest eval set and record the
         recommended next stage; without `force`, only when that eval set has none yet."""
-        from flywheel.gate.baseline import latest_baseline, store_baseline
+        from flywheel.gate.baseline import store_baseline
         from flywheel.gate.decision import metrics
 
         async with self.engine.connect() as conn:
             holdout = await load_holdout(conn, self.settings.gate.max_tasks,
                                          self.settings.rollout.envs)
-            if not force and await latest_baseline(conn, self.name, holdout.eval_set_version):
+            if not force and await registry.latest_baseline(conn, self.name,
+                                                            holdout.eval_set_version):
                 return None
-            production = (await conn.execute(text(
-                "SELECT version FROM production WHERE policy = :p"), {"p": self.name})).scalar()
+            production = await registry.production_version(conn, self.name)
         base = metrics(await self.run_for(None, holdout))
         prod = metrics(await self.run_for(production, holdout)) if production else None
         async with self.engine.begin() as conn:
@@ -81,11 +80,8 @@ class GateService:
 
     async def _status(self, version: int) -> tuple[str | None, int | None]:
         async with self.engine.connect() as conn:
-            status = (await conn.execute(text("""SELECT status FROM adapter_versions
-                WHERE policy = :p AND version = :v"""), {"p": self.name, "v": version})).scalar()
-            newest = (await conn.execute(text(
-                "SELECT max(version) FROM adapter_versions WHERE policy = :p"),
-                {"p": self.name})).scalar()
+            status = await registry.version_status(conn, self.name, version)
+            newest = await registry.newest_version(conn, self.name)
         return status, newest
 
     async def on_trained(self, trained: AdapterTrainedPayload) -> list[Event]:
@@ -101,7 +97,7 @@ class GateService:
                 event = await lifecycle.reject_unevaluated(
                     conn, self.name, trained.version, actor="gate",
                     reason=f"superseded by v{newest} before the gate evaluated it",
-                    topic=self.settings.topics.adapters)
+                    topics=self.settings.topics)
             return [event]
         return await self.evaluate_version(trained.version)
 
@@ -113,9 +109,7 @@ class GateService:
                                          self.settings.rollout.envs)
         for _ in range(3):
             async with self.engine.connect() as conn:
-                production = (await conn.execute(text(
-                    "SELECT version FROM production WHERE policy = :p"),
-                    {"p": self.name})).scalar()
+                production = await registry.production_version(conn, self.name)
             if production == version:
                 raise lifecycle.LifecycleError(f"v{version} is production already")
             candidate = await self.run_for(version, holdout)
@@ -125,7 +119,7 @@ class GateService:
             try:
                 async with self.engine.begin() as conn:
                     events = await lifecycle.record_evaluation(
-                        conn, payload, self.settings.topics.adapters)
+                        conn, payload, self.settings.topics)
             except lifecycle.Conflict as err:
                 log.warning("%s; evaluating again against the new production", err)
                 continue
@@ -140,7 +134,7 @@ def decision_payload(settings: Settings, version: int, production: int | None,
     """The decision record of `candidate` against `baseline` under the configured rule."""
     return AdapterEvaluatedPayload(
         **dict(decide(candidate, baseline, settings.gate)), evaluation_id=uuid.uuid4(),
-        policy=settings.rollout.policy, version=version, baseline_version=production,
+        policy=settings.policy, version=version, baseline_version=production,
         eval_set_version=eval_set_version, mode=settings.gate.mode)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from flywheel.config import Topics
 from flywheel.mining import store
 from flywheel.mining.build import Unverifiable, build_task, expected_calls, request_key
 from flywheel.mining.classify import Labeller, classify_failure
@@ -35,7 +36,7 @@ class MineStats:
 
 
 async def _task_for(conn: AsyncConnection, t: Trajectory, retry: Trajectory | None,
-                    stats: MineStats, *, holdout_fraction: float, tasks_topic: str,
+                    stats: MineStats, *, holdout_fraction: float, topics: Topics,
                     labeller: Labeller | None, claim: bool) -> bool:
     """Classify and build; returns True when it became (or joined) a task."""
     found = expected_calls(t, retry)
@@ -53,7 +54,7 @@ async def _task_for(conn: AsyncConnection, t: Trajectory, retry: Trajectory | No
         stats.unverifiable += claim
         return False
     source = found[1] if found else "tests"
-    if await store.store_task(conn, result, t.trajectory_id, source, tasks_topic):
+    if await store.store_task(conn, result, t.trajectory_id, source, topics):
         stats.tasks_created += 1
     else:
         stats.tasks_joined += 1
@@ -68,7 +69,7 @@ async def _lock_request(conn: AsyncConnection, session_id: str, key: str) -> Non
 
 
 async def mine_batch(conn: AsyncConnection, batch: list[Trajectory], *, holdout_fraction: float,
-                     tasks_topic: str, labeller: Labeller | None = None) -> MineStats:
+                     topics: Topics, labeller: Labeller | None = None) -> MineStats:
     """Each trajectory in its own savepoint: one that cannot be mined is logged and skipped,
     never allowed to wedge the partition."""
     stats = MineStats()
@@ -85,7 +86,7 @@ async def mine_batch(conn: AsyncConnection, batch: list[Trajectory], *, holdout_
                 for failed, _mode in await store.unverified_failures(conn, t.session_id, key):
                     if await _task_for(conn, failed, t, stats,
                                        holdout_fraction=holdout_fraction,
-                                       tasks_topic=tasks_topic, labeller=labeller,
+                                       topics=topics, labeller=labeller,
                                        claim=False):
                         stats.upgraded += 1
         except Exception as err:
@@ -102,7 +103,7 @@ async def mine_batch(conn: AsyncConnection, batch: list[Trajectory], *, holdout_
                     await _lock_request(conn, t.session_id, key)
                     retry = await store.find_success(conn, t.session_id, key)
                 await _task_for(conn, t, retry, stats, holdout_fraction=holdout_fraction,
-                                tasks_topic=tasks_topic, labeller=labeller, claim=True)
+                                topics=topics, labeller=labeller, claim=True)
         except Exception as err:
             stats.errors += 1
             log.error("could not mine failure %s: %s", t.trajectory_id, err)

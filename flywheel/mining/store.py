@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from flywheel.config import Topics
 from flywheel.db.outbox import append_events
 from flywheel.events import (
     EvalSetFrozen,
@@ -83,7 +84,7 @@ async def settle_failure(conn: AsyncConnection, trajectory_id: uuid.UUID,
 
 
 async def store_task(conn: AsyncConnection, spec: TaskSpec, source: uuid.UUID,
-                     expected_from: str, tasks_topic: str) -> bool:
+                     expected_from: str, topics: Topics) -> bool:
     """Insert the task (or join the existing one with this fingerprint) and its source.
 
     Returns True when the task is new; only then is `TaskCreated` appended.
@@ -107,11 +108,11 @@ async def store_task(conn: AsyncConnection, spec: TaskSpec, source: uuid.UUID,
                                        failure_mode=spec.failure_mode, split=spec.split,
                                        fingerprint=spec.fingerprint,
                                        source_trajectory_id=source, expected_from=expected_from))
-        await append_events(conn, [(event, tasks_topic)])
+        await append_events(conn, [event], topics)
     return new
 
 
-async def freeze_eval_set(conn: AsyncConnection, tasks_topic: str) -> tuple[int, int]:
+async def freeze_eval_set(conn: AsyncConnection, topics: Topics) -> tuple[int, int]:
     """Freeze the current holdout tasks as the next eval-set version: (version, task count)."""
     await conn.execute(text("LOCK TABLE eval_sets IN EXCLUSIVE MODE"))
     version = int((await conn.execute(text(
@@ -127,7 +128,7 @@ async def freeze_eval_set(conn: AsyncConnection, tasks_topic: str) -> tuple[int,
     event = EvalSetFrozen(event_id=derived_event_id("evalset", version),
                           aggregate_id=f"evalset/{version}",
                           payload=EvalSetFrozenPayload(version=version, task_ids=ids))
-    await append_events(conn, [(event, tasks_topic)])
+    await append_events(conn, [event], topics)
     return version, len(ids)
 
 

@@ -14,9 +14,9 @@ def make_policy(settings: Settings) -> Policy:
         if not cfg.vllm_urls:
             raise ValueError("rollout.engine is 'vllm' but no replica is configured: set "
                              'FLYWHEEL_ROLLOUT__VLLM_URLS=\'["http://vllm-0:8000"]\'')
-        return VLLMPolicy(cfg.vllm_urls, model=cfg.vllm_model, policy_name=cfg.policy,
+        return VLLMPolicy(cfg.vllm_urls, model=cfg.vllm_model, policy_name=settings.policy,
                           retention=cfg.max_staleness + 1)
     from flywheel.policy.local import LocalPolicy
     from flywheel.policy.model_cache import resolve_model_dir
 
-    return LocalPolicy(resolve_model_dir(cfg.model_dir), policy_name=cfg.policy)
+    return LocalPolicy(resolve_model_dir(cfg.model_dir), policy_name=settings.policy)

@@ -76,7 +76,7 @@ async def handle_request(req: RolloutRequestedPayload, *, engine: AsyncEngine, p
             adapter=adapter.name if adapter else None, adapter_version=req.adapter_version,
             temperature=cfg.temperature, worker=worker,
             retire_after=settings.rollout.retire_after,
-            rollouts_topic=settings.topics.rollouts)
+            topics=settings.topics)
     return outcome
 
 

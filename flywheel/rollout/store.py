@@ -12,6 +12,7 @@ import uuid
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from flywheel.config import Topics
 from flywheel.db.outbox import append_events
 from flywheel.events import (
     GroupScored,
@@ -53,7 +54,7 @@ async def candidate_stats(conn: AsyncConnection, envs: list[str] | None = None
 
 
 async def request_rollouts(conn: AsyncConnection, task_ids: list[uuid.UUID],
-                           adapter_version: int | None, topic: str) -> list[uuid.UUID]:
+                           adapter_version: int | None, topics: Topics) -> list[uuid.UUID]:
     ids = [uuid.uuid4() for _ in task_ids]
     if not ids:
         return []
@@ -61,11 +62,11 @@ async def request_rollouts(conn: AsyncConnection, task_ids: list[uuid.UUID],
         INSERT INTO rollout_requests (request_id, task_id, adapter_version, status)
         SELECT unnest(CAST(:ids AS uuid[])), unnest(CAST(:tasks AS uuid[])), :v, 'requested'
     """), {"ids": ids, "tasks": task_ids, "v": adapter_version})
-    events = [(RolloutRequested(event_id=rid, aggregate_id=str(tid),
-                                payload=RolloutRequestedPayload(request_id=rid, task_id=tid,
-                                                                adapter_version=adapter_version)),
-               topic) for rid, tid in zip(ids, task_ids, strict=True)]
-    await append_events(conn, events)
+    events = [RolloutRequested(event_id=rid, aggregate_id=str(tid),
+                               payload=RolloutRequestedPayload(request_id=rid, task_id=tid,
+                                                               adapter_version=adapter_version))
+              for rid, tid in zip(ids, task_ids, strict=True)]
+    await append_events(conn, events, topics)
     return ids
 
 
@@ -77,7 +78,7 @@ async def already_scored(conn: AsyncConnection, group_id: uuid.UUID) -> bool:
 async def record_group(conn: AsyncConnection, *, group_id: uuid.UUID, task: TaskSpec,
                        outcome: GroupOutcome, adapter: str | None, adapter_version: int | None,
                        temperature: float, worker: str, retire_after: int,
-                       rollouts_topic: str) -> bool:
+                       topics: Topics) -> bool:
     """Store the group, update the task's statistics, close the request, emit GroupScored.
 
     Returns False when this group was already recorded (redelivery).
@@ -120,5 +121,20 @@ async def record_group(conn: AsyncConnection, *, group_id: uuid.UUID, task: Task
     event = GroupScored(event_id=derived_event_id("group-scored", group_id),
                         aggregate_id=str(task.task_id), payload=payload)
     # Zero-variance groups are recorded (events, stats) but never sent to the trainer.
-    await append_events(conn, [(event, rollouts_topic if outcome.trainable else None)])
+    # Only trainable groups reach the trainer; the rest are recorded, not published.
+    await append_events(conn, [event], topics if outcome.trainable else None)
     return True
+
+
+async def lock_scheduler(conn: AsyncConnection) -> None:
+    """Serialize schedulers for the rest of the transaction (one tops up at a time)."""
+    await conn.execute(text("SELECT pg_advisory_xact_lock(hashtext('flywheel-scheduler'))"))
+
+
+async def expire_requests(conn: AsyncConnection, *, older_than_s: float) -> int:
+    """Expire requests unanswered for `older_than_s`; returns how many."""
+    result = await conn.execute(text("""
+        UPDATE rollout_requests SET status = 'expired', done_at = now()
+        WHERE status = 'requested' AND created_at < now() - make_interval(secs => :ttl)"""),
+        {"ttl": older_than_s})
+    return int(result.rowcount)

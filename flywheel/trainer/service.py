@@ -10,38 +10,62 @@ groups already in a version are recognised in Postgres and skipped, so none is t
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
-from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from flywheel.adapters import registry
 from flywheel.adapters.lifecycle import project
 from flywheel.config import Settings
 from flywheel.db.outbox import append_events
 from flywheel.events import AdapterTrained, AdapterTrainedPayload, GroupScored, parse_event
+from flywheel.trainer import store
 from flywheel.trainer.grpo import GRPOConfig
+
+if TYPE_CHECKING:  # torch stays lazy: these import it
+    from aiokafka import AIOKafkaConsumer, ConsumerRecord
+
+    from flywheel.events import GroupScoredPayload
+    from flywheel.mining.demos import Demonstration
+    from flywheel.trainer.ranks import Ranks
 
 log = logging.getLogger("flywheel.trainer")
 T = TypeVar("T")
+
+
+class Trainer(Protocol):
+    """What the service drives: this process's `LoRATrainer`, or under torchrun the
+    `distributed.Leader` that runs each operation on every rank."""
+
+    @property
+    def steps(self) -> int: ...
+
+    def step(self, groups: Sequence[GroupScoredPayload]) -> dict[str, float]: ...
+
+    def sft_step(self, demos: Sequence[Demonstration], *,
+                 lr: float | None = None) -> dict[str, float]: ...
+
+    def reset_optimizer(self) -> None: ...
+
+    def save(self, directory: Path) -> None: ...
 
 
 @dataclass
 class _Pending:
     tp: TopicPartition
     offset: int
-    group: Any  # GroupScoredPayload
+    group: GroupScoredPayload
 
 
 @dataclass
@@ -75,16 +99,17 @@ def grpo_config(settings: Settings) -> GRPOConfig:
 
 
 class TrainerService:
-    def __init__(self, settings: Settings, engine: AsyncEngine, ranks: Any = None) -> None:
-        """`ranks` (`flywheel.trainer.distributed.Ranks`): this is rank 0 of a torchrun job,
+    def __init__(self, settings: Settings, engine: AsyncEngine,
+                 ranks: Ranks | None = None) -> None:
+        """`ranks` (`flywheel.trainer.ranks.Ranks`): this is rank 0 of a torchrun job,
         and every step is shared with the follower ranks."""
         from flywheel.adapters.artifacts import artifact_store
 
         self.settings, self.engine, self.ranks = settings, engine, ranks
-        self.policy = settings.rollout.policy
+        self.policy = settings.policy
         self.store = artifact_store(settings)
         self.version: int | None = None
-        self.trainer: Any = None
+        self.trainer: Trainer | None = None
         self.batch: list[_Pending] = []       # received, waiting for a full batch
         self.trained: list[_Pending] = []     # trained since the last publication
         self.stale: list[_Pending] = []       # dropped as stale since the last publication
@@ -93,15 +118,20 @@ class TrainerService:
         self.stale_since_publish = 0
         self.status = TrainerState()
 
+    @property
+    def started(self) -> Trainer:
+        """The trainer `start` built (an error before it ran)."""
+        if self.trainer is None:
+            raise RuntimeError("the trainer service is not started: call start() first")
+        return self.trainer
+
     async def start(self) -> None:
         """Resume from the newest registered version (its weights and optimizer state)."""
         from flywheel.policy.model_cache import resolve_model_dir
         from flywheel.trainer.engine import LoRASpec, LoRATrainer
 
         async with self.engine.connect() as conn:
-            self.version = (await conn.execute(text(
-                "SELECT max(version) FROM adapter_versions WHERE policy = :p"),
-                {"p": self.policy})).scalar()
+            self.version = await registry.newest_version(conn, self.policy)
         # Storage calls run off the event loop (S3: listings, downloads, hashing), so the
         # heartbeat keeps reporting meanwhile.
         published = await asyncio.to_thread(self.store.versions, self.policy)
@@ -135,7 +165,6 @@ class TrainerService:
     async def warm_start(self) -> int | None:
         """Baseline first, then SFT if the baseline says so: publishes the SFT version (the
         parent of every GRPO version) and returns it; None when GRPO starts from the base."""
-        from flywheel.gate.baseline import latest_baseline
         from flywheel.mining.demos import load_demonstrations
 
         t = self.settings.trainer
@@ -146,7 +175,7 @@ class TrainerService:
         baseline = None
         while time.monotonic() < deadline:
             async with self.engine.connect() as conn:
-                baseline = await latest_baseline(conn, self.policy)
+                baseline = await registry.latest_baseline(conn, self.policy)
             if baseline is not None:
                 break
             await asyncio.sleep(2.0)
@@ -168,16 +197,16 @@ class TrainerService:
         # idle once the baseline is in: the trainer may use every core meanwhile.
         await self._sft(demos)
         # GRPO starts with fresh optimizer moments, resumed or not (the state is published).
-        await asyncio.to_thread(self.trainer.reset_optimizer)
+        await asyncio.to_thread(self.started.reset_optimizer)
         return await self.publish(None, stage="sft", demos=len(demos))
 
-    async def _sft(self, demos: list[Any]) -> None:
+    async def _sft(self, demos: list[Demonstration]) -> None:
         from flywheel.trainer.sft import sft_batches
 
         t = self.settings.trainer
         for step, batch in enumerate(sft_batches(demos, t.sft_steps, t.sft_batch)):
             self.status.detail = f"SFT step {step + 1}/{t.sft_steps} on {len(demos)} demos"
-            metrics = await asyncio.to_thread(on_all_cores, self.trainer.sft_step, batch,
+            metrics = await asyncio.to_thread(on_all_cores, self.started.sft_step, batch,
                                               lr=t.sft_lr)
             self.status.metrics = {f"sft_{k}": v for k, v in metrics.items()}
             log.info("SFT step %d/%d: loss %.4f", step + 1, t.sft_steps, metrics["loss"])
@@ -186,7 +215,8 @@ class TrainerService:
         self.store.discard(self.policy, version)
         log.warning("discarded unregistered adapter %s@v%d left by a crash", self.policy, version)
 
-    async def on_records(self, records: list[Any], consumer: Any) -> None:
+    async def on_records(self, records: Sequence[ConsumerRecord[bytes, bytes]],
+                         consumer: AIOKafkaConsumer) -> None:
         """Take a fetch of `GroupScored` records; train and publish as batches fill."""
         items = []
         for r in records:
@@ -219,22 +249,19 @@ class TrainerService:
         if not ids:
             return set()
         async with self.engine.connect() as conn:
-            rows = await conn.execute(text("""SELECT group_id FROM rollout_groups
-                WHERE group_id = ANY(CAST(:ids AS uuid[])) AND trained_at IS NOT NULL"""),
-                {"ids": ids})
-            return set(rows.scalars())
+            return await store.already_trained(conn, ids)
 
     async def _step(self, chunk: list[_Pending]) -> None:
         self.status.state, self.status.step_started_at = "training", time.monotonic()
         try:
-            metrics = await asyncio.to_thread(self.trainer.step, [p.group for p in chunk])
+            metrics = await asyncio.to_thread(self.started.step, [p.group for p in chunk])
         finally:
             self.status.step_started_at = None
         self.trained += chunk
         self.steps_since_publish += 1
         self.status.metrics = metrics
         self.status.state = "waiting"
-        log.info("step %d: loss %.4f reward %.3f clip %.3f tokens/s %.0f", self.trainer.steps,
+        log.info("step %d: loss %.4f reward %.3f clip %.3f tokens/s %.0f", self.started.steps,
                  metrics.get("loss", 0.0), metrics.get("reward_mean", 0.0),
                  metrics.get("clip_frac", 0.0), metrics.get("tokens_per_s", 0.0))
 
@@ -246,18 +273,16 @@ class TrainerService:
             safe[p.tp] = min(safe.get(p.tp, p.offset), p.offset)
         return safe
 
-    async def _commit(self, consumer: Any) -> None:
+    async def _commit(self, consumer: AIOKafkaConsumer) -> None:
         try:
             await consumer.commit(self._committable())
         except KafkaError as err:
             log.warning("offset commit skipped (%s); redelivered groups are skipped", err)
 
-    async def _record_stale(self, consumer: Any) -> None:
+    async def _record_stale(self, consumer: AIOKafkaConsumer) -> None:
         """Dropped groups are recorded (and counted) at once; their offsets can then move."""
         async with self.engine.begin() as conn:
-            await conn.execute(text("""UPDATE rollout_groups SET trained_at = now(),
-                consumed_as = 'stale' WHERE group_id = ANY(CAST(:ids AS uuid[]))"""),
-                {"ids": [p.group.group_id for p in self.stale]})
+            await store.mark_stale(conn, [p.group.group_id for p in self.stale])
         self.status.stale_dropped += len(self.stale)
         self.stale_since_publish += len(self.stale)
         log.warning("dropped %d stale groups (older than %d versions)", len(self.stale),
@@ -265,35 +290,32 @@ class TrainerService:
         self.stale = []
         await self._commit(consumer)
 
-    async def publish(self, consumer: Any | None, *, stage: Literal["sft", "grpo"] = "grpo",
-                      demos: int = 0) -> int:
+    async def publish(self, consumer: AIOKafkaConsumer | None, *,
+                      stage: Literal["sft", "grpo"] = "grpo", demos: int = 0) -> int:
         """Write the adapter atomically, register it, emit AdapterTrained, then commit."""
         version = (self.version or 0) + 1
         self.store.staging_dir.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".staging-v{version}-",
                                         dir=self.store.staging_dir))
         try:
-            await asyncio.to_thread(self.trainer.save, staging)
+            await asyncio.to_thread(self.started.save, staging)
             ids = [str(p.group.group_id) for p in self.trained]
             ref = await asyncio.to_thread(
                 self.store.publish, self.policy, version, staging,
                 base_model=str(self.model_dir), parent_version=self.version,
-                steps=self.trainer.steps, groups_consumed=ids, stage=stage,
+                steps=self.started.steps, groups_consumed=ids, stage=stage,
                 extra={"demonstrations": demos} if stage == "sft" else None)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         payload = AdapterTrainedPayload(
             policy=self.policy, version=version, parent_version=self.version,
-            path=str(ref.path), stage=stage, steps=self.trainer.steps, groups=len(ids),
+            path=str(ref.path), stage=stage, steps=self.started.steps, groups=len(ids),
             stale_dropped=self.stale_since_publish, metrics=self.status.metrics)
         event = AdapterTrained(aggregate_id=f"{self.policy}@v{version}", payload=payload)
         async with self.engine.begin() as conn:
             await project(conn, event)  # registers the version (a projection of the event)
-            await conn.execute(text("""UPDATE rollout_groups SET trained_at = now(),
-                consumed_as = 'trained', trained_version = :v
-                WHERE group_id = ANY(CAST(:ids AS uuid[]))"""),
-                {"v": version, "ids": [p.group.group_id for p in self.trained]})
-            await append_events(conn, [(event, self.settings.topics.adapters)])
+            await store.mark_trained(conn, [p.group.group_id for p in self.trained], version)
+            await append_events(conn, [event], self.settings.topics)
         self.version, self.trained, self.steps_since_publish = version, [], 0
         self.stale_since_publish = 0
         if consumer is not None:
@@ -305,16 +327,7 @@ class TrainerService:
     async def _retain(self) -> None:
         """Delete old versions beyond `keep_versions`, never one a rollout still needs."""
         async with self.engine.connect() as conn:
-            # Never: production, any version that was production (a rollback target), one
-            # awaiting review or evaluation, or one an outstanding rollout request samples.
-            in_use = {v for v in (await conn.execute(text("""
-                SELECT adapter_version FROM rollout_requests WHERE status = 'requested'
-                  AND adapter_version IS NOT NULL
-                UNION SELECT version FROM production WHERE policy = :p AND version IS NOT NULL
-                UNION SELECT version FROM adapter_versions WHERE policy = :p
-                  AND status IN ('promoted', 'evaluated')
-                UNION SELECT max(version) FROM adapter_versions WHERE policy = :p"""),
-                {"p": self.policy})).scalars() if v is not None}
+            in_use = await registry.versions_in_use(conn, self.policy)
         deleted = await asyncio.to_thread(self.store.retain, self.policy,
                                           self.settings.trainer.keep_versions, in_use)
         if deleted:
@@ -326,8 +339,9 @@ class TrainerService:
     def keepalive(self) -> None:
         """Under torchrun: an idle trainer still talks to its followers within the process
         group's timeout (see `flywheel.trainer.distributed`)."""
-        if hasattr(self.trainer, "keepalive"):
-            self.trainer.keepalive()
+        keepalive = getattr(self.trainer, "keepalive", None)
+        if keepalive is not None:
+            keepalive()
 
     def stop_followers(self) -> None:
         """Under torchrun: the follower ranks leave with rank 0 (ready or not)."""
@@ -352,14 +366,7 @@ class TrainerService:
     async def heartbeat(self) -> None:
         state, detail = self.watch()
         async with self.engine.begin() as conn:
-            await conn.execute(text("""
-                INSERT INTO trainer_status (policy, state, detail, version, steps,
-                                            stale_dropped, metrics, updated_at)
-                VALUES (:p, :s, :d, :v, :steps, :stale, CAST(:m AS jsonb), now())
-                ON CONFLICT (policy) DO UPDATE SET state = :s, detail = :d, version = :v,
-                    steps = :steps, stale_dropped = :stale, metrics = CAST(:m AS jsonb),
-                    updated_at = now()"""),
-                {"p": self.policy, "s": state, "d": detail, "v": self.version,
-                 "steps": self.trainer.steps if self.trainer else 0,
-                 "stale": self.status.stale_dropped,
-                 "m": json.dumps(self.status.metrics)})
+            await store.write_status(
+                conn, self.policy, state=state, detail=detail, version=self.version,
+                steps=self.trainer.steps if self.trainer else 0,
+                stale_dropped=self.status.stale_dropped, metrics=self.status.metrics)

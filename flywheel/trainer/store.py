@@ -1,0 +1,60 @@
+"""The trainer's repository: which groups a version consumed, and the trainer's heartbeat.
+
+Adds and updates inside the caller's transaction; never commits.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+
+async def already_trained(conn: AsyncConnection, group_ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+    """The groups among `group_ids` already consumed (trained into a version or dropped)."""
+    if not group_ids:
+        return set()
+    rows = await conn.execute(text("""SELECT group_id FROM rollout_groups
+        WHERE group_id = ANY(CAST(:ids AS uuid[])) AND trained_at IS NOT NULL"""),
+        {"ids": list(group_ids)})
+    return set(rows.scalars())
+
+
+async def mark_stale(conn: AsyncConnection, group_ids: Sequence[uuid.UUID]) -> None:
+    """Groups dropped as too stale to train on (consumed, never trained)."""
+    await conn.execute(text("""UPDATE rollout_groups SET trained_at = now(),
+        consumed_as = 'stale' WHERE group_id = ANY(CAST(:ids AS uuid[]))"""),
+        {"ids": list(group_ids)})
+
+
+async def mark_trained(conn: AsyncConnection, group_ids: Sequence[uuid.UUID],
+                       version: int) -> None:
+    """Groups trained into the published `version`."""
+    await conn.execute(text("""UPDATE rollout_groups SET trained_at = now(),
+        consumed_as = 'trained', trained_version = :v
+        WHERE group_id = ANY(CAST(:ids AS uuid[]))"""), {"v": version, "ids": list(group_ids)})
+
+
+async def write_status(conn: AsyncConnection, policy: str, *, state: str, detail: str | None,
+                       version: int | None, steps: int, stale_dropped: int,
+                       metrics: dict[str, float]) -> None:
+    """The trainer's heartbeat row (`flywheel status` reads it; a stale row means `down`)."""
+    await conn.execute(text("""
+        INSERT INTO trainer_status (policy, state, detail, version, steps,
+                                    stale_dropped, metrics, updated_at)
+        VALUES (:p, :s, :d, :v, :steps, :stale, CAST(:m AS jsonb), now())
+        ON CONFLICT (policy) DO UPDATE SET state = :s, detail = :d, version = :v,
+            steps = :steps, stale_dropped = :stale, metrics = CAST(:m AS jsonb),
+            updated_at = now()"""),
+        {"p": policy, "s": state, "d": detail, "v": version, "steps": steps,
+         "stale": stale_dropped, "m": json.dumps(metrics)})
+
+
+async def trainer_state(conn: AsyncConnection, policy: str) -> str | None:
+    """The state the trainer last reported (None: it never started)."""
+    state = (await conn.execute(text("SELECT state FROM trainer_status WHERE policy = :p"),
+                                {"p": policy})).scalar()
+    return None if state is None else str(state)
