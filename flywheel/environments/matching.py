@@ -19,10 +19,12 @@ person wrote and are compared by value); a value of the wrong JSON type never ma
 * `anyOf` / `oneOf` / a list of types: a match under any alternative is a match.
 * no type in the schema: the values' own JSON types, by the same rules (numbers by value).
 
-An argument the schema does not require, given as `null` or equal to its schema `default`,
-counts as absent on either side (strict-mode clients send `null` for "not given"; the tool
-behaves the same). BFCL's checker instead calls such an argument unexpected unless its
-possible answer lists it: docs/VERIFIER.md counts where that makes the two disagree.
+An argument the schema does not require counts as absent, on either side, when it is given
+as its schema `default` (the tool behaves the same) or as `null` where its schema admits
+null (`"type": ["string", "null"]`, strict-mode style) or it has no schema. A `null` the
+schema does not admit is a wrong value, as a JSON-schema validator (and BFCL) says. BFCL's
+checker calls a parameter given at its default unexpected unless its possible answer lists
+it: docs/VERIFIER.md measures where that makes the two disagree.
 """
 
 from __future__ import annotations
@@ -167,12 +169,14 @@ def _property(schema: Schema | None, key: str) -> Schema | None:
 
 
 def says_nothing(key: str, value: object, schema: Schema | None) -> bool:
-    """An optional argument given as null or as its schema default: the same as absent."""
+    """An optional argument given as its schema default, or as null where null is a value
+    its schema admits: the same as absent."""
     if schema and key in (schema.get("required") or ()):
         return False
     prop = _property(schema, key)
-    return value is None or (prop is not None and "default" in prop
-                             and values_match(prop["default"], value, prop))
+    if value is None:
+        return prop is None or values_match(None, None, prop)
+    return prop is not None and "default" in prop and values_match(prop["default"], value, prop)
 
 
 def arguments_match(expected: Mapping[str, Any], actual: Mapping[str, Any],
