@@ -123,12 +123,19 @@ def test_arrays_are_ordered_unless_unique_items() -> None:
                  s).failure_mode == "bad_arguments"
 
 
-def test_null_and_default_values_count_as_absent() -> None:
+def test_default_and_admitted_null_count_as_absent() -> None:
     text = json.dumps({"name": "set_priority",
                        "arguments": json.dumps({"ticket": "T-1", "priority": 2,
-                                                "notify": False, "level": None})})
-    assert score(text).reward == 1.0
-    # A required argument is never absent, whatever its value.
+                                                "notify": False})})
+    assert score(text).reward == 1.0  # notify=False is the schema default: the same call
+    nullable = [{"type": "function", "name": "set_priority", "parameters": {
+        "type": "object", "required": ["ticket", "priority"], "properties": {
+            "ticket": {"type": "string"}, "priority": {"type": "integer"},
+            "level": {"type": ["string", "null"]}}}}]
+    assert score(call(ticket="T-1", priority=2, level=None), tools=nullable).reward == 1.0
+    # A null the schema does not admit is a wrong value (the old matcher called it absent);
+    # a required argument is never absent, whatever its value.
+    assert score(call(ticket="T-1", priority=2, level=None)).failure_mode == "bad_arguments"
     assert score(call(ticket="T-1", priority=None)).failure_mode == "bad_arguments"
 
 
@@ -185,6 +192,11 @@ def test_best_assignment_is_exact_not_greedy() -> None:
     assert best_assignment([[None, None]]) == []
     assert best_assignment([[0.5], [0.7]]) == [(1, 0)]
     assert best_assignment([]) == []
+    assert best_assignment([[1.0, 1.0]]) == [(0, 0)]  # ties: the earliest call
+    assert best_assignment([[1.0], [1.0]]) == [(0, 0)]
+    # 2 expected calls against 30 made stays exact: the search masks the smaller side.
+    many = [[None] * 29 + [1.0], [0.4] + [None] * 28 + [0.9]]
+    assert best_assignment(many) == [(0, 29), (1, 0)]
 
 
 PARALLEL = ToolCallSpec(expected=[

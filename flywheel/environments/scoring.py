@@ -39,7 +39,7 @@ from flywheel.tasks import ExpectedCall, ToolCallSpec, VerifierResult
 
 WEIGHTS = {"valid_json": 0.1, "right_tool": 0.3, "arguments": 0.6}
 _EXACT_LIMIT = 12
-"""Above this many calls on both sides the pairing is greedy (exact search is 2^n)."""
+"""With more calls than this on both sides the pairing is greedy (exact search is 2^n)."""
 
 
 def check_spec(spec: ToolCallSpec, tools: ToolSchemas | None) -> set[str]:
@@ -72,7 +72,7 @@ def best_assignment(weights: Sequence[Sequence[float | None]]) -> list[tuple[int
     cols = len(weights[0]) if rows else 0
     if min(rows, cols) == 0:
         return []
-    if rows > cols:
+    if rows < cols:  # the search keeps a bit mask of the columns: make them the smaller side
         flipped = [[weights[r][c] for r in range(rows)] for c in range(cols)]
         return sorted((r, c) for c, r in best_assignment(flipped))
     if cols > _EXACT_LIMIT:
@@ -83,14 +83,15 @@ def best_assignment(weights: Sequence[Sequence[float | None]]) -> list[tuple[int
         if row == rows:
             return 0.0, ()
         if (row, used) not in memo:
-            top = best(row + 1, used)  # this row stays unpaired
-            for col in range(cols):
+            top: tuple[float, tuple[tuple[int, int], ...]] | None = None
+            for col in range(cols):  # earliest column first: ties keep the earliest pairs
                 w = weights[row][col]
                 if w is not None and not used >> col & 1:
                     score, pairs = best(row + 1, used | 1 << col)
-                    if score + w > top[0] + 1e-12:
+                    if top is None or score + w > top[0] + 1e-12:
                         top = (score + w, ((row, col), *pairs))
-            memo[row, used] = top
+            skip = best(row + 1, used)  # this row stays unpaired
+            memo[row, used] = skip if top is None or skip[0] > top[0] + 1e-12 else top
         return memo[row, used]
 
     return list(best(0, 0)[1])
