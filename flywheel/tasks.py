@@ -2,7 +2,11 @@
 
 A task is the context up to the failing decision, the tools offered, and a verifier spec
 (how to check an attempt). Verifier specs are a union discriminated on `kind`, one per
-built-in environment. A verifier returns a `VerifierResult`; an attempt that did not run
+built-in environment. A `tool_call` spec expects one turn of calls, a multiset of
+`ExpectedCall {name, arguments, alternatives: {arg: [value, …]}, optional: [arg, …]}`
+(BFCL's possible-answer semantics, see `ExpectedCall` and docs/VERIFIER.md), e.g.
+`{"kind": "tool_call", "expected": [{"name": "get_weather", "arguments": {"city": "Oslo"},
+"alternatives": {"city": ["Oslo, Norway"]}, "optional": []}], "unsafe_tools": []}`. A verifier returns a `VerifierResult`; an attempt that did not run
 (timeout before any output, crash, sandbox failure) is a `RolloutNotRun`, never reward 0.
 
 Conventions that trajectories use to carry verification data (the simulator follows them):

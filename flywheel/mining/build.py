@@ -23,7 +23,7 @@ from typing import Any
 from flywheel.environments.calls import Call
 from flywheel.environments.scoring import verify_calls
 from flywheel.mining.classify import Classification
-from flywheel.mining.expected import call_turns, expected_actions, expected_calls
+from flywheel.mining.expected import Expected, call_turns, expected_actions, expected_calls
 from flywheel.schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -141,6 +141,25 @@ def new_task(env: str, messages: list[dict[str, Any]], tools: list[dict[str, Any
                     split=split_of(fp, holdout_fraction))
 
 
+def _tool_call_turn(t: Trajectory, c: Classification, found: Expected,
+                    tools: list[dict[str, Any]], unsafe: list[str]
+                    ) -> tuple[list[dict[str, Any]], ToolCallSpec] | Unverifiable:
+    """The context before the failing turn and the calls expected for it (module doc)."""
+    turns = call_turns(t.items)
+    j = next((n for n, turn in enumerate(turns) if c.step in turn), 0)
+    if found.explicit:
+        want = list(found.turns[j]) if j < len(found.turns) else []
+    else:
+        want = found.calls[sum(len(turn) for turn in turns[:j]):]
+    if not want:
+        return Unverifiable(f"the failing turn #{j + 1} has no expected counterpart")
+    verifier = ToolCallSpec(expected=want, unsafe_tools=unsafe)
+    broken = _self_check(verifier, tools)
+    if broken:
+        return Unverifiable(broken)
+    return to_messages(t.items[:turns[j][0] if j < len(turns) else _first_action(t)]), verifier
+
+
 def _self_check(verifier: ToolCallSpec, tools: list[dict[str, Any]]) -> str | None:
     """Why the task's own expected calls would not score 1.0, or None when they do."""
     reference = [Call(c.name, c.arguments) for c in verifier.expected]
@@ -194,19 +213,10 @@ def build_task(t: Trajectory, c: Classification, *, retry: Trajectory | None = N
             verifier = WorkplaceSpec(initial_state=initial, expected_state=expected_state,
                                      max_steps=max(8, 2 * len(found.calls)), unsafe_tools=unsafe)
         elif env == "tool_call":
-            turns = call_turns(t.items)
-            j = next((n for n, turn in enumerate(turns) if c.step in turn), 0)
-            if found.explicit:
-                want = list(found.turns[j]) if j < len(found.turns) else []
-            else:
-                want = found.calls[sum(len(turn) for turn in turns[:j]):]
-            if not want:
-                return Unverifiable(f"the failing turn #{j + 1} has no expected counterpart")
-            messages = to_messages(t.items[:turns[j][0] if j < len(turns) else start])
-            verifier = ToolCallSpec(expected=want, unsafe_tools=unsafe)
-            broken = _self_check(verifier, tools)
-            if broken:
-                return Unverifiable(broken)
+            built = _tool_call_turn(t, c, found, tools, unsafe)
+            if isinstance(built, Unverifiable):
+                return built
+            messages, verifier = built
         else:
             return Unverifiable(f"unknown environment {env!r}")
     if not any(m["role"] == "user" for m in messages):
