@@ -10,6 +10,7 @@ docs/VERIFIER.md explains; the numbers there come from `pytest -s` on this file.
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import sys
 import types
@@ -21,6 +22,7 @@ import pytest
 
 from flywheel.environments.calls import Call
 from flywheel.environments.scoring import verify_calls
+from flywheel.environments.tool_call import ToolCallEnvironment
 from tests.bfcl_harness import CATEGORIES, SEED, Calls, Case, generated_calls, load, reference
 
 bfcl_eval = pytest.importorskip(
@@ -33,17 +35,25 @@ MODEL = "flywheel"
 def _checker() -> Any:
     # The checker's package imports a registry of dozens of model SDKs through
     # `constants.model_config`; it only reads `underscore_to_dot` of the model named.
-    if "bfcl_eval.constants.model_config" not in sys.modules:
-        fake = types.ModuleType("bfcl_eval.constants.model_config")
-        fake.MODEL_CONFIG_MAPPING = {  # type: ignore[attr-defined]
-            MODEL: types.SimpleNamespace(underscore_to_dot=False)}
-        sys.modules[fake.__name__] = fake
+    name = "bfcl_eval.constants.model_config"
+    registry = sys.modules.setdefault(name, types.ModuleType(name))
+    if not hasattr(registry, "MODEL_CONFIG_MAPPING"):
+        registry.MODEL_CONFIG_MAPPING = {}  # type: ignore[attr-defined]
+    registry.MODEL_CONFIG_MAPPING.setdefault(
+        MODEL, types.SimpleNamespace(underscore_to_dot=False))
     from bfcl_eval.constants.enums import Language
     from bfcl_eval.eval_checker.ast_eval.ast_checker import ast_checker
 
     return lambda case, calls: ast_checker(
         case.functions, [{n: a} for n, a in calls], case.answer, Language.PYTHON,
         case.category, MODEL)
+
+
+def _message(calls: Calls) -> dict[str, Any]:
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": f"c{n}", "type": "function",
+         "function": {"name": name, "arguments": json.dumps(args)}}
+        for n, (name, args) in enumerate(calls)]}
 
 
 def _explain(kind: str, case: Case, calls: Calls, bfcl_valid: bool, check: Any) -> str:
@@ -80,7 +90,7 @@ def _property(case: Case, name: str, key: str) -> dict[str, Any]:
 
 
 def test_agrees_with_bfcl_ast_checker() -> None:
-    check = _checker()
+    check, env = _checker(), ToolCallEnvironment()
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     for category, n in CATEGORIES.items():
@@ -91,6 +101,8 @@ def test_agrees_with_bfcl_ast_checker() -> None:
             for kind, calls in generated_calls(case, rng):
                 bfcl = check(case, calls)
                 ours = verify_calls(case.spec, [Call(n, a) for n, a in calls], case.tools)
+                # The main path (a parsed assistant message, arguments as JSON text) agrees.
+                assert env.verify(case.spec, _message(calls), tools=case.tools) == ours
                 row = {"id": case.id, "category": category, "kind": kind,
                        "bfcl": bool(bfcl["valid"]), "ours": ours.reward == 1.0}
                 if row["bfcl"] != row["ours"]:
