@@ -6,8 +6,9 @@ built-in environment. A `tool_call` spec expects one turn of calls, a multiset o
 `ExpectedCall {name, arguments, alternatives: {arg: [value, …]}, optional: [arg, …]}`
 (BFCL's possible-answer semantics, see `ExpectedCall` and docs/VERIFIER.md), e.g.
 `{"kind": "tool_call", "expected": [{"name": "get_weather", "arguments": {"city": "Oslo"},
-"alternatives": {"city": ["Oslo, Norway"]}, "optional": []}], "unsafe_tools": []}`. A verifier returns a `VerifierResult`; an attempt that did not run
-(timeout before any output, crash, sandbox failure) is a `RolloutNotRun`, never reward 0.
+"alternatives": {"city": ["Oslo, Norway"]}, "optional": []}], "unsafe_tools": []}`.
+A verifier returns a `VerifierResult`; an attempt that did not run (timeout before any
+output, crash, sandbox failure) is a `RolloutNotRun`, never reward 0.
 
 Conventions that trajectories use to carry verification data (the simulator follows them):
 * `tools[i]["x-unsafe"] = true` marks a tool whose call is an unsafe action.
