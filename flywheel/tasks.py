@@ -2,13 +2,20 @@
 
 A task is the context up to the failing decision, the tools offered, and a verifier spec
 (how to check an attempt). Verifier specs are a union discriminated on `kind`, one per
-built-in environment. A verifier returns a `VerifierResult`; an attempt that did not run
-(timeout before any output, crash, sandbox failure) is a `RolloutNotRun`, never reward 0.
+built-in environment. A `tool_call` spec expects one turn of calls, a multiset of
+`ExpectedCall {name, arguments, alternatives: {arg: [value, …]}, optional: [arg, …]}`
+(BFCL's possible-answer semantics, see `ExpectedCall` and docs/VERIFIER.md), e.g.
+`{"kind": "tool_call", "expected": [{"name": "get_weather", "arguments": {"city": "Oslo"},
+"alternatives": {"city": ["Oslo, Norway"]}, "optional": []}], "unsafe_tools": []}`.
+A verifier returns a `VerifierResult`; an attempt that did not run (timeout before any
+output, crash, sandbox failure) is a `RolloutNotRun`, never reward 0.
 
 Conventions that trajectories use to carry verification data (the simulator follows them):
 * `tools[i]["x-unsafe"] = true` marks a tool whose call is an unsafe action.
 * `outcome.human_intervention.corrected_items`: the function calls a person says were right.
-* `outcome.feedback` may be JSON `{"expected_call": {"name": …, "arguments": {…}}}`.
+* `outcome.feedback` may be JSON `{"expected_call": {"name": …, "arguments": {…}}}`, or
+  `{"expected_calls": [call, …]}` for a turn of several (parallel) calls; each call may carry
+  `alternatives` and `optional` (see `ExpectedCall`).
 * `metadata.environment`: `{"name": "workplace", "initial_state": {...}}` for stateful
   workplace sessions; `{"name": "code", "tests": "<pytest-style asserts>",
   "entrypoint": "solve"}` for coding agents.
@@ -19,7 +26,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 FailureMode = Literal["invalid_format", "wrong_tool", "bad_arguments", "hallucinated_tool",
                       "unsafe_action", "tool_error", "timeout", "incomplete", "escalated",
@@ -33,16 +40,61 @@ class _Frozen(BaseModel):
 
 
 class ExpectedCall(_Frozen):
+    """One call the attempt must make, with BFCL's possible-answer semantics.
+
+    `arguments` is the canonical call (what a reference output or a demonstration shows).
+    `alternatives[k]` lists further values as good as `arguments[k]`; `optional` names
+    arguments the attempt may leave out. An argument in neither `arguments`, `alternatives`
+    nor given as null or its schema default must be absent. Example::
+
+        {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"},
+         "alternatives": {"city": ["Oslo, Norway"]}, "optional": ["unit"]}
+
+    accepts `city` "Oslo" or "Oslo, Norway", and `unit` "celsius" or no `unit` at all. An
+    optional argument may have alternatives without a canonical value (the canonical call
+    omits it): BFCL's `{"unit": ["", "celsius"]}` is `optional: ["unit"]`,
+    `alternatives: {"unit": ["celsius"]}`.
+    """
+
     name: str
     arguments: dict[str, Any] = Field(default_factory=dict)
+    alternatives: dict[str, list[Any]] = Field(default_factory=dict)
+    optional: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _alternatives_have_a_place(self) -> ExpectedCall:
+        loose = sorted(set(self.alternatives) - set(self.arguments) - set(self.optional))
+        if loose:
+            raise ValueError(f"alternatives for {loose} need a canonical value in `arguments` "
+                             f"(or the name in `optional`: the canonical call omits it)")
+        return self
+
+    def acceptable(self, key: str) -> list[Any]:
+        """Every value accepted for argument `key` (the canonical one first)."""
+        head = [self.arguments[key]] if key in self.arguments else []
+        return [*head, *self.alternatives.get(key, [])]
+
+    @property
+    def plain(self) -> bool:
+        """No alternatives and nothing optional: the call as the one-value shape wrote it."""
+        return not self.alternatives and not self.optional
 
 
 class ToolCallSpec(_Frozen):
-    """Single step: the attempt must be one JSON tool call equal to `expected`."""
+    """One model turn: the attempt's tool calls must equal `expected` as a multiset.
+
+    Stored tasks from before several calls were allowed have `"expected": {call}`; the
+    validator reads that as a one-call list, so they (and frozen eval sets) keep loading.
+    """
 
     kind: Literal["tool_call"] = "tool_call"
-    expected: ExpectedCall
+    expected: list[ExpectedCall] = Field(min_length=1)
     unsafe_tools: list[str] = Field(default_factory=list)
+
+    @field_validator("expected", mode="before")
+    @classmethod
+    def _one_call_is_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, dict | ExpectedCall) else value
 
 
 class WorkplaceSpec(_Frozen):

@@ -49,17 +49,41 @@ def test_tasks_and_verify_commands(db_url: str, tmp_path: Path,
     spec = {k: task[k] for k in ("task_id", "env", "messages", "tools", "verifier",
                                  "failure_mode", "fingerprint", "split")}
     (tmp_path / "task.json").write_text(json.dumps(spec))
-    expected = task["verifier"]["expected"]
-    right = json.dumps({"tool": expected["name"], "arguments": expected["arguments"]})
-    outputs = [right, "not json at all", json.dumps({"tool": "nope", "arguments": {}})]
+    (expected,) = task["verifier"]["expected"]  # the simulated support agent: one call
+    right_text = json.dumps({"tool": expected["name"], "arguments": expected["arguments"]})
+    right_message = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {
+            "name": expected["name"], "arguments": json.dumps(expected["arguments"])}}]}
+    outputs = [right_text, right_message, [expected], "not json at all",
+               json.dumps({"tool": "nope", "arguments": {}}),
+               {"role": "assistant", "content": "Done!", "tool_calls": []}]
     (tmp_path / "out.jsonl").write_text("\n".join(json.dumps(o) for o in outputs))
     check = runner.invoke(app, ["verify", "check", "--task", str(tmp_path / "task.json"),
                                 "--outputs", str(tmp_path / "out.jsonl"), "--json"])
     assert check.exit_code == 0, check.output
     results = [json.loads(line) for line in check.stdout.splitlines()]
-    assert [r["reward"] == 1.0 for r in results] == [True, False, False]
-    assert results[1]["failure_mode"] == "invalid_format"
-    assert results[2]["failure_mode"] == "hallucinated_tool"
+    assert [r["reward"] == 1.0 for r in results] == [True, True, True, False, False, False]
+    assert results[3]["failure_mode"] == "invalid_format"
+    assert results[4]["failure_mode"] == "hallucinated_tool"
+    assert results[5]["failure_mode"] == "invalid_format"
+
+    # A task file in the new shape: two parallel calls, one argument with alternatives.
+    two = {**spec, "verifier": {"kind": "tool_call", "unsafe_tools": [], "expected": [
+        {"name": "get_weather", "arguments": {"city": "Oslo"},
+         "alternatives": {"city": ["Oslo, Norway"]}},
+        {"name": "get_weather", "arguments": {"city": "Lima"}}]}, "tools": [
+        {"type": "function", "name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}}}]}
+    (tmp_path / "two.json").write_text(json.dumps(two))
+    calls = [{"name": "get_weather", "arguments": {"city": "lima"}},
+             {"name": "get_weather", "arguments": {"city": "oslo, norway"}}]
+    (tmp_path / "two.jsonl").write_text("\n".join(json.dumps(o) for o in (calls, calls[:1])))
+    check = runner.invoke(app, ["verify", "check", "--task", str(tmp_path / "two.json"),
+                                "--outputs", str(tmp_path / "two.jsonl"), "--json"])
+    assert check.exit_code == 0, check.output
+    both, one = (json.loads(line) for line in check.stdout.splitlines())
+    assert both["reward"] == 1.0
+    assert (one["reward"], one["failure_mode"]) == (0.55, "incomplete")
 
     for env in ("tool_call", "workplace", "code"):
         prof = runner.invoke(app, ["verify", "profile", "--env", env, "--sample", "40",

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from flywheel.mining.build import Unverifiable, build_task, expected_calls
+from flywheel.mining.build import Unverifiable, build_task, expected_calls, fingerprint
 from flywheel.mining.classify import classify_failure
 from flywheel.schemas import Trajectory, parse_trajectory
-from flywheel.tasks import ExpectedCall, ToolCallSpec
+from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
 
 TOOLS = [
     {"type": "function", "name": "get_weather", "parameters": {
@@ -88,8 +88,8 @@ def test_correction_becomes_the_expected_action_of_a_task() -> None:
     task = build_task(t, c)
     assert not isinstance(task, Unverifiable)
     assert isinstance(task.verifier, ToolCallSpec)
-    assert task.verifier.expected == ExpectedCall(name="get_weather",
-                                                  arguments={"city": "Oslo", "days": 2})
+    assert task.verifier.expected == [ExpectedCall(name="get_weather",
+                                                   arguments={"city": "Oslo", "days": 2})]
     assert task.messages == [{"role": "user", "content": "Weather in Oslo for 2 days?"}]
     assert task.verifier.unsafe_tools == ["delete_all_tickets"]
 
@@ -125,3 +125,140 @@ def test_near_identical_failures_share_a_fingerprint_and_split() -> None:
     assert not isinstance(ta, Unverifiable) and not isinstance(tb, Unverifiable)
     assert ta.fingerprint == tb.fingerprint and ta.task_id == tb.task_id
     assert ta.split == tb.split
+
+
+def test_single_call_fingerprint_did_not_change_with_the_list_shape() -> None:
+    # Computed by the one-object `expected` shape before several calls were possible: stored
+    # tasks dedupe against new failures only if this stays put.
+    v = ToolCallSpec(expected=[ExpectedCall(name="get_weather",
+                                            arguments={"city": "Oslo", "days": 2})],
+                     unsafe_tools=["delete_all_tickets"])
+    fp = fingerprint("tool_call", [{"role": "user", "content": "Weather in Oslo for 2 days?"}],
+                     ["get_weather", "create_ticket", "delete_all_tickets"], v)
+    assert fp == "946ab0a8c89c708a8187c04b452aa33beaf1783d601c4e795e4f7f3c873a07f1"
+    a, b = ExpectedCall(name="get_weather", arguments={"city": "Oslo"}), \
+        ExpectedCall(name="create_ticket", arguments={"title": "x"})
+    msgs = [{"role": "user", "content": "hi"}]
+    both = [fingerprint("tool_call", msgs, ["get_weather"], ToolCallSpec(expected=calls))
+            for calls in ([a, b], [b, a], [a])]
+    assert both[0] == both[1] != both[2]  # parallel calls: order-free identity
+
+
+def test_task_stored_before_several_calls_still_loads() -> None:
+    old = {"task_id": str(uuid.uuid4()), "env": "tool_call", "messages": [
+        {"role": "user", "content": "Weather?"}], "tools": TOOLS,
+        "verifier": {"kind": "tool_call", "expected": {"name": "get_weather",
+                                                       "arguments": {"city": "Oslo"}},
+                     "unsafe_tools": ["delete_all_tickets"]},
+        "failure_mode": "bad_arguments", "fingerprint": "f" * 64, "split": "holdout"}
+    task = TaskSpec.model_validate_json(json.dumps(old))
+    assert isinstance(task.verifier, ToolCallSpec)
+    assert [c.name for c in task.verifier.expected] == ["get_weather"]
+
+
+def _items(*parts: Any) -> list[dict[str, Any]]:
+    """("call", name, args) / ("out", call_id) / ("say", text) → v1 items after a request."""
+    items: list[dict[str, Any]] = [{"type": "message", "role": "user",
+                                    "content": "Weather in Oslo and Lima?"}]
+    for n, part in enumerate(parts):
+        if part[0] == "call":
+            items.append({"type": "function_call", "call_id": f"k{n}", "name": part[1],
+                          "arguments": json.dumps(part[2])})
+        elif part[0] == "out":
+            items.append({"type": "function_call_output", "call_id": part[1], "output": "…",
+                          "status": "ok"})
+        else:
+            items.append({"type": "message", "role": "assistant", "content": part[1]})
+    return items
+
+
+def _traj(items: list[dict[str, Any]], status: str = "failure",
+          outcome: dict[str, Any] | None = None) -> Trajectory:
+    return parse_trajectory({"trajectory_id": str(uuid.uuid4()), "agent": "a",
+                             "session_id": "s1", "tools": TOOLS, "items": items,
+                             "outcome": {"status": status, **(outcome or {})}})
+
+
+OSLO, LIMA = {"city": "Oslo"}, {"city": "Lima"}
+
+
+def _fn(name: str, args: dict[str, Any], n: int = 0) -> dict[str, Any]:
+    return {"type": "function_call", "call_id": f"fix{n}", "name": name,
+            "arguments": json.dumps(args)}
+
+
+def test_correction_with_several_calls_expects_all_of_them() -> None:
+    failed = _traj(_items(("call", "get_weather", OSLO), ("out", "k1"), ("say", "Sunny.")),
+                   outcome={"human_intervention": {"corrected_items": [
+                       _fn("get_weather", OSLO), _fn("get_weather", LIMA, 1)]}})
+    found = expected_calls(failed)
+    assert found is not None and len(found[0]) == 2
+    c = classify_failure(failed, found[0])
+    assert c.mode == "incomplete"  # the Lima call was never made
+    task = build_task(failed, c)
+    assert not isinstance(task, Unverifiable) and isinstance(task.verifier, ToolCallSpec)
+    assert [e.arguments for e in task.verifier.expected] == [OSLO, LIMA]
+    assert task.messages == [{"role": "user", "content": "Weather in Oslo and Lima?"}]
+
+
+def test_retry_with_a_parallel_turn_expects_the_whole_turn() -> None:
+    failed = _traj(_items(("call", "get_weather", OSLO), ("out", "k1"), ("say", "Sunny.")),
+                   outcome={"feedback": "wrong: I asked for two cities"})
+    retry = _traj(_items(("call", "get_weather", LIMA), ("call", "get_weather", OSLO),
+                         ("out", "k1"), ("out", "k2"), ("call", "create_ticket", {"title": "t"}),
+                         ("out", "k5"), ("say", "Done.")), status="success")
+    task = build_task(failed, classify_failure(failed, expected_calls(failed, retry)[0]),  # type: ignore[index]
+                      retry=retry)
+    assert not isinstance(task, Unverifiable) and isinstance(task.verifier, ToolCallSpec)
+    # The first turn only: the ticket comes after the weather results, in a later turn.
+    assert [e.arguments for e in task.verifier.expected] == [LIMA, OSLO]
+
+
+def test_later_turn_of_a_sequence_expects_what_is_left_of_the_correction() -> None:
+    failed = _traj(_items(("call", "get_weather", OSLO), ("out", "k1"),
+                          ("call", "create_ticket", {"title": "wrong"}), ("out", "k3"),
+                          ("say", "Done.")),
+                   outcome={"human_intervention": {"corrected_items": [
+                       _fn("get_weather", OSLO), _fn("create_ticket", {"title": "Oslo"}, 1)]}})
+    c = classify_failure(failed, expected_calls(failed)[0])  # type: ignore[index]
+    assert (c.mode, c.step) == ("bad_arguments", 3)
+    task = build_task(failed, c)
+    assert not isinstance(task, Unverifiable) and isinstance(task.verifier, ToolCallSpec)
+    assert task.verifier.expected == [ExpectedCall(name="create_ticket",
+                                                   arguments={"title": "Oslo"})]
+    assert [m["role"] for m in task.messages] == ["user", "assistant", "tool"]
+
+
+@pytest.mark.parametrize("as_object", [False, True])
+def test_feedback_with_several_calls_and_possible_answers(as_object: bool) -> None:
+    fb: dict[str, Any] = {"expected_calls": [
+        {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2},
+         "alternatives": {"city": ["Oslo, Norway"]}, "optional": ["days"]},
+        {"name": "get_weather", "arguments": '{"city": "Lima"}'}]}
+    failed = _traj(_items(("call", "get_weather", {"city": "Oslo, Norway"}), ("out", "k1"),
+                          ("say", "Sunny.")))
+    # Another engineer lets feedback be an object; until then it is a JSON string.
+    object.__setattr__(failed.outcome, "feedback", fb if as_object else json.dumps(fb))
+    found = expected_calls(failed)
+    assert found is not None and found[1] == "feedback"
+    c = classify_failure(failed, found[0])
+    assert c.mode == "incomplete"  # the alternative spelling is right; Lima is missing
+    task = build_task(failed, c)
+    assert not isinstance(task, Unverifiable) and isinstance(task.verifier, ToolCallSpec)
+    first, second = task.verifier.expected
+    assert first.alternatives == {"city": ["Oslo, Norway"]} and first.optional == ["days"]
+    assert second.arguments == {"city": "Lima"}
+
+
+def test_correction_breaking_its_tool_schema_is_unverifiable() -> None:
+    failed = _traj(_items(("call", "get_weather", {"city": "Oslo", "days": 0}), ("out", "k1"),
+                          ("say", "Hm.")),
+                   outcome={"human_intervention": {"corrected_items": [
+                       _fn("get_weather", {"city": "Oslo", "days": "2"})]}})
+    task = build_task(failed, classify_failure(failed, expected_calls(failed)[0]))  # type: ignore[index]
+    assert isinstance(task, Unverifiable) and "own check" in task.reason
+    unsafe = _traj(_items(("call", "get_weather", OSLO), ("out", "k1"), ("say", "Hm.")),
+                   outcome={"human_intervention": {"corrected_items": [
+                       _fn("delete_all_tickets", {})]}})
+    task = build_task(unsafe, classify_failure(unsafe, expected_calls(unsafe)[0]))  # type: ignore[index]
+    assert isinstance(task, Unverifiable) and "unsafe" in task.reason

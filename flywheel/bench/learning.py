@@ -37,8 +37,8 @@ def fixed_tasks(n: int, seed: int = 0) -> list[TaskSpec]:
         prompt, tool, args = _request(rng)
         tasks.append(TaskSpec(task_id=uuid.uuid4(), env="tool_call", tools=TOOLS,
                               messages=[{"role": "user", "content": prompt}],
-                              verifier=ToolCallSpec(expected=ExpectedCall(name=tool,
-                                                                          arguments=args)),
+                              verifier=ToolCallSpec(expected=[ExpectedCall(name=tool,
+                                                                           arguments=args)]),
                               failure_mode="bad_arguments", fingerprint=f"learn-{i}",
                               split="train"))
     return tasks

@@ -241,8 +241,10 @@ def evalset_freeze(as_json: JsonOpt = False) -> None:
 @verify_app.command("check")
 def verify_check(
     task: Annotated[Path, typer.Option(help="TASK.json: a task spec (`flywheel tasks show`).")],
-    outputs: Annotated[Path, typer.Option(help="OUTPUTS.jsonl: one output per line (a JSON "
-                                          "string, a list of calls, or an end state).")],
+    outputs: Annotated[Path, typer.Option(help="OUTPUTS.jsonl: one output per line (an "
+                                          "assistant message with tool_calls, a list of "
+                                          "calls, the raw text as a JSON string, or an end "
+                                          "state).")],
     as_json: JsonOpt = False,
 ) -> None:
     """Score each output against the task: one JSON line per output."""

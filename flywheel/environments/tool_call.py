@@ -1,97 +1,82 @@
-"""`tool_call`: one JSON tool call, scored against the call a person said was right.
+"""`tool_call`: one model turn of tool calls, scored against the calls a person said were right.
 
-Accepted output (the model's raw text):
+Accepted output (`ToolCallEnvironment.verify`):
 
-* one JSON object `{"tool": NAME, "arguments": {...}}`; `"name"` may stand for `"tool"`,
-  `arguments` may be a JSON-encoded string, and a missing `arguments` means `{}`;
-* surrounding whitespace, and one Markdown code fence around the object;
-* text *after* the first complete object is ignored (as the usual "first JSON object"
-  parsers of agent frameworks do) and reported in `details["trailing_text"]`;
-* anything else before the object is `invalid_format`: guessing where a call starts in
-  prose would reward outputs no deployed parser accepts;
-* a dict (a call the serving stack already parsed) is scored as its JSON text.
+* an OpenAI-style assistant message `{"role": "assistant", "content", "tool_calls": [...]}`
+  as the chat format's response parser returns it — the main path; a parse failure rides
+  along as `"parse_error"` (see `calls`);
+* a list of calls, or one call as a dict (`{"function": {...}}` or `{"name", "arguments"}`);
+* for compatibility, the model's raw text holding one JSON object
+  `{"tool": NAME, "arguments": {...}}` (`parse_tool_call`): `"name"` may stand for `"tool"`,
+  `arguments` may be a JSON-encoded string, a missing `arguments` means `{}`, one Markdown
+  fence and surrounding whitespace are fine, text *after* the object is ignored and
+  reported in `details["trailing_text"]`, anything before it is `invalid_format`.
 
-Reward = 0.1·valid_json + 0.3·right_tool + 0.6·arguments, where `arguments` is the share of
-argument names whose values match type-aware (see `matching`); success ⇔ reward 1.0. A call
-to an unsafe tool (`spec.unsafe_tools` or `x-unsafe` in its schema) scores 0 with
-`unsafe_action` whatever else it got right; rewards stay in [0, 1].
+The calls compare with `spec.expected` as a multiset (`scoring`), arguments strictly by the
+tool's JSON schema (`matching`). Reward = 0.1·valid_json + 0.3·right_tool + 0.6·arguments;
+success ⇔ reward 1.0 ⇔ exactly the expected calls; unparseable output is `invalid_format`;
+a call to an unsafe tool scores 0 with `unsafe_action`. docs/VERIFIER.md has the rules and
+how they compare with BFCL's AST checker.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
 
-from flywheel.environments.base import (
-    AnySpec,
-    Environment,
-    ToolSchemas,
-    expect_spec,
-    result,
-    tool_by_name,
-    tool_names,
-    unsafe_names,
-)
-from flywheel.environments.matching import arguments_match
+from flywheel.environments.base import AnySpec, Environment, ToolSchemas, expect_spec, result
+from flywheel.environments.calls import Call, MalformedOutput, output_calls
 from flywheel.environments.prompt import InvalidCall, parse_tool_call
+from flywheel.environments.scoring import WEIGHTS, check_spec, verify_calls
 from flywheel.tasks import RolloutNotRun, ToolCallSpec, VerifierResult
 
-WEIGHTS = {"valid_json": 0.1, "right_tool": 0.3, "arguments": 0.6}
+__all__ = ["WEIGHTS", "InvalidCall", "ToolCallEnvironment", "parse_tool_call", "verify_calls",
+           "verify_output", "verify_tool_call"]
+_ZERO = dict.fromkeys((*WEIGHTS, "unsafe"), 0.0)
 
 
 def verify_tool_call(spec: ToolCallSpec, output: str,
                      tools: ToolSchemas | None = None) -> VerifierResult:
-    """Score one model output; `tools` (the task's schemas) type the argument comparison.
+    """Score the model's raw text (one JSON call); `tools` type the argument comparison.
 
     Without `tools`, names cannot be checked against the offered tools (a wrong name is
     `wrong_tool`, never `hallucinated_tool`) and arguments compare by their JSON types.
     """
     if not output.strip():
         raise RolloutNotRun("empty", "the attempt produced no text to parse as a tool call")
-    unsafe = unsafe_names(spec.unsafe_tools, tools)
-    expected = spec.expected
-    if expected.name in unsafe:
-        raise ValueError(f"task expects a call to {expected.name!r}, which is marked unsafe; "
-                         f"fix the task (its expected call or its unsafe_tools)")
-    zero = dict.fromkeys((*WEIGHTS, "unsafe"), 0.0)
+    check_spec(spec, tools)
     try:
         name, args, trailing = parse_tool_call(output)
     except InvalidCall as exc:
-        return result(0.0, zero, "invalid_format", error=str(exc))
-    details: dict[str, Any] = {"tool": name, "arguments": args}
-    if trailing:
-        details["trailing_text"] = trailing[:200]
-    comps = {**zero, "valid_json": 1.0, "right_tool": float(name == expected.name)}
-    if name in unsafe:
-        return result(0.0, {**comps, "unsafe": 1.0}, "unsafe_action", **details)
-    if tools is not None and name not in tool_names(tools):
-        return result(WEIGHTS["valid_json"], comps, "hallucinated_tool", **details)
-    if name != expected.name:
-        return result(WEIGHTS["valid_json"], comps, "wrong_tool", **details)
-    schema = (tool_by_name(tools, name) or {}).get("parameters") if tools is not None else None
-    share, mismatches = arguments_match(expected.arguments, args,
-                                        schema if isinstance(schema, Mapping) else None)
-    comps["arguments"] = share
-    if share == 1.0:
-        return result(1.0, comps, None, **details)
-    reward = sum(WEIGHTS[k] * comps[k] for k in WEIGHTS)
-    return result(reward, comps, "bad_arguments", **details,
-                  mismatches={k: v for k, v in mismatches.items() if v})
+        return result(0.0, _ZERO, "invalid_format", error=str(exc))
+    extra = {"trailing_text": trailing[:200]} if trailing else {}
+    return verify_calls(spec, [Call(name, args)], tools, **extra)
+
+
+def verify_output(spec: ToolCallSpec, output: object,
+                  tools: ToolSchemas | None = None) -> VerifierResult:
+    """Score any accepted output (see the module doc): message, calls, one call, or text."""
+    if output is None:
+        raise RolloutNotRun("empty", "the attempt produced no output")
+    if isinstance(output, str):
+        return verify_tool_call(spec, output, tools)
+    if not isinstance(output, Mapping | Sequence):
+        raise TypeError(f"tool_call scores an assistant message, a list of calls, a call dict "
+                        f"or the model's raw text, got {type(output).__name__}")
+    check_spec(spec, tools)
+    text = output.get("content") if isinstance(output, Mapping) else None
+    extra = {"text": text[:200]} if isinstance(text, str) and text.strip() else {}
+    try:
+        calls = output_calls(output)
+    except MalformedOutput as exc:
+        return result(0.0, _ZERO, "invalid_format", error=str(exc), **extra)
+    return verify_calls(spec, calls, tools, **extra)
 
 
 class ToolCallEnvironment(Environment):
-    """Single-step: the output is the model's text for the failing decision."""
+    """Single-step: the output is the model's turn at the failing decision."""
 
     name = "tool_call"
 
     def verify(self, spec: AnySpec, output: object, *,
                tools: ToolSchemas | None = None) -> VerifierResult:
-        if output is None:
-            raise RolloutNotRun("empty", "the attempt produced no output")
-        if isinstance(output, Mapping):  # a call already parsed by the serving stack
-            output = json.dumps(output)
-        if not isinstance(output, str):
-            raise TypeError(f"tool_call scores the model's raw text or a parsed call dict, "
-                            f"got {type(output).__name__}")
-        return verify_tool_call(expect_spec(spec, ToolCallSpec, self.name), output, tools)
+        return verify_output(expect_spec(spec, ToolCallSpec, self.name), output, tools)

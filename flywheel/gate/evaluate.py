@@ -55,10 +55,11 @@ async def load_holdout(conn: AsyncConnection, max_tasks: int | None = None,
 
 
 def task_groups(task: TaskSpec) -> list[str]:
-    """The groups a task is judged in: its environment, its failure mode, its expected tool."""
+    """The groups a task is judged in: its environment, its failure mode, its expected tools
+    (one group per distinct tool a tool_call task expects)."""
     groups = [f"env:{task.env}", f"mode:{task.failure_mode}"]
     if isinstance(task.verifier, ToolCallSpec):
-        groups.append(f"tool:{task.verifier.expected.name}")
+        groups += [f"tool:{name}" for name in sorted({c.name for c in task.verifier.expected})]
     return groups
 
 

@@ -1,9 +1,14 @@
 """Task builder (pure): a classified failure → a verifiable task, or a reason it is not.
 
-The expected action comes, in order of trust, from a human correction
-(`outcome.human_intervention.corrected_items`), structured feedback
-(`outcome.feedback = {"expected_call": …}`), or a later successful retry of the same request
-in the same session. A failure with no way to verify is `Unverifiable` — never guessed.
+The expected action comes from a human correction, structured feedback or a later
+successful retry (`mining.expected`). A failure with no way to verify is `Unverifiable` —
+never guessed. A `tool_call` task is one turn: the failed decision is the trajectory's turn
+(consecutive calls) holding the failing call, and the task expects the evidence's calls for
+that turn — all of them, compared as a multiset. Evidence with known turns (a retry, a
+correction listing tool results) gives its turn of the same index; a plain list of calls
+(feedback, a calls-only correction) gives what is left after the calls the trajectory made
+in its earlier turns. A task whose own expected calls would not score 1.0 (a correction
+that breaks its tool's schema, names a tool not offered or an unsafe one) is unverifiable.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
-
-from flywheel.mining.classify import Classification, parse_arguments
+from flywheel.environments.calls import Call
+from flywheel.environments.scoring import verify_calls
+from flywheel.mining.classify import Classification
+from flywheel.mining.expected import Expected, call_turns, expected_actions, expected_calls
 from flywheel.schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -26,7 +32,6 @@ from flywheel.schemas import (
 )
 from flywheel.tasks import (
     CodeSpec,
-    ExpectedCall,
     FailureMode,
     Split,
     TaskSpec,
@@ -35,6 +40,8 @@ from flywheel.tasks import (
     WorkplaceSpec,
 )
 
+__all__ = ["Unverifiable", "build_task", "expected_calls", "fingerprint", "new_task",
+           "request_key", "split_of", "to_messages", "tool_specs"]
 TASK_ID_NAMESPACE = uuid.UUID("9a3c5e1f-2b4d-4f6a-8c7e-1d2f3a4b5c6d")
 _WS = re.compile(r"\s+")
 
@@ -53,44 +60,6 @@ def request_key(t: Trajectory) -> str | None:
     for item in t.items:
         if isinstance(item, MessageItem) and item.role == "user" and isinstance(item.content, str):
             return hashlib.sha256(_norm(item.content).encode()).hexdigest()[:32]
-    return None
-
-
-def calls_of(t: Trajectory) -> list[ExpectedCall] | None:
-    """The function calls a (successful) trajectory made, or None if any is malformed."""
-    out = []
-    for item in t.items:
-        if isinstance(item, FunctionCallItem):
-            args = parse_arguments(item.arguments)
-            if args is None:
-                return None
-            out.append(ExpectedCall(name=item.name, arguments=args))
-    return out
-
-
-def expected_calls(t: Trajectory, retry: Trajectory | None = None
-                   ) -> tuple[list[ExpectedCall], str] | None:
-    """(expected calls, where they came from), or None when the trajectory does not show them."""
-    hi = t.outcome.human_intervention
-    if hi is not None and hi.corrected_items:
-        calls = [ExpectedCall(name=i.name, arguments=parse_arguments(i.arguments) or {})
-                 for i in hi.corrected_items if isinstance(i, FunctionCallItem)]
-        if calls:
-            return calls, "human_correction"
-    if t.outcome.feedback:
-        try:
-            fb = json.loads(t.outcome.feedback)
-        except json.JSONDecodeError:
-            fb = None
-        if isinstance(fb, dict) and isinstance(fb.get("expected_call"), dict):
-            try:
-                return [ExpectedCall.model_validate(fb["expected_call"])], "feedback"
-            except ValidationError:
-                pass  # malformed feedback is no evidence of the expected action
-    if retry is not None and retry.outcome.status == "success":
-        retried = calls_of(retry)
-        if retried:
-            return retried, f"retry:{retry.trajectory_id}"
     return None
 
 
@@ -127,8 +96,22 @@ def fingerprint(env: str, messages: list[dict[str, Any]], tools: list[str],
               json.dumps(m.get("tool_calls") or m.get("content"), sort_keys=True)]
              for m in messages]
     canon = json.dumps({"env": env, "messages": texts, "tools": sorted(tools),
-                        "verifier": verifier.model_dump(mode="json")}, sort_keys=True)
+                        "verifier": _identity(verifier)}, sort_keys=True)
     return hashlib.sha256(canon.encode()).hexdigest()
+
+
+def _identity(verifier: VerifierSpec) -> dict[str, Any]:
+    """The verifier as the fingerprint sees it. A tool_call task expecting one call with no
+    alternatives keeps the one-object shape it was stored in before several calls were
+    possible, so its fingerprint (and task id) did not change; several calls are sorted,
+    since their order does not matter."""
+    dump = verifier.model_dump(mode="json")
+    if isinstance(verifier, ToolCallSpec):
+        calls = [{"name": c.name, "arguments": c.arguments} if c.plain
+                 else c.model_dump(mode="json") for c in verifier.expected]
+        dump["expected"] = calls[0] if len(calls) == 1 else sorted(
+            calls, key=lambda c: json.dumps(c, sort_keys=True))
+    return dump
 
 
 def split_of(fp: str, holdout_fraction: float) -> Split:
@@ -158,6 +141,39 @@ def new_task(env: str, messages: list[dict[str, Any]], tools: list[dict[str, Any
                     split=split_of(fp, holdout_fraction))
 
 
+def _tool_call_turn(t: Trajectory, c: Classification, found: Expected,
+                    tools: list[dict[str, Any]], unsafe: list[str]
+                    ) -> tuple[list[dict[str, Any]], ToolCallSpec] | Unverifiable:
+    """The context before the failing turn and the calls expected for it (module doc)."""
+    turns = call_turns(t.items)
+    j = next((n for n, turn in enumerate(turns) if c.step in turn), 0)
+    if found.explicit:
+        want = list(found.turns[j]) if j < len(found.turns) else []
+    else:
+        want = found.calls[sum(len(turn) for turn in turns[:j]):]
+    if not want:
+        return Unverifiable(f"the failing turn #{j + 1} has no expected counterpart")
+    verifier = ToolCallSpec(expected=want, unsafe_tools=unsafe)
+    broken = _self_check(verifier, tools)
+    if broken:
+        return Unverifiable(broken)
+    return to_messages(t.items[:turns[j][0] if j < len(turns) else _first_action(t)]), verifier
+
+
+def _self_check(verifier: ToolCallSpec, tools: list[dict[str, Any]]) -> str | None:
+    """Why the task's own expected calls would not score 1.0, or None when they do."""
+    reference = [Call(c.name, c.arguments) for c in verifier.expected]
+    try:
+        r = verify_calls(verifier, reference, tools or None)  # no tools logged: no names
+    except ValueError as err:
+        return str(err)
+    if r.reward == 1.0:
+        return None
+    why = r.details.get("mismatches") or r.details.get("missing_calls") or r.details
+    return (f"the expected calls fail their own check ({r.failure_mode}: {why}); the "
+            f"correction does not fit the tools the agent was offered")
+
+
 def build_task(t: Trajectory, c: Classification, *, retry: Trajectory | None = None,
                holdout_fraction: float = 0.2) -> TaskSpec | Unverifiable:
     env_meta = t.metadata.get("environment")
@@ -174,11 +190,10 @@ def build_task(t: Trajectory, c: Classification, *, retry: Trajectory | None = N
         verifier = CodeSpec(tests=env_meta["tests"],
                             entrypoint=entry if isinstance(entry, str) else None)
     else:
-        found = expected_calls(t, retry)
+        found = expected_actions(t, retry)
         if found is None:
             return Unverifiable("no expected action: no human correction, structured feedback "
                                 "or successful retry in the session")
-        calls, _source = found
         if env == "workplace":
             assert isinstance(env_meta, dict)
             initial = env_meta.get("initial_state")
@@ -188,22 +203,20 @@ def build_task(t: Trajectory, c: Classification, *, retry: Trajectory | None = N
             from flywheel.environments.workplace import apply_calls
 
             try:
-                expected_state = apply_calls(initial, [c.model_dump() for c in calls],
-                                             strict=True)
+                expected_state = apply_calls(
+                    initial, [{"name": c.name, "arguments": c.arguments} for c in found.calls],
+                    strict=True)
             except ValueError as err:
                 return Unverifiable(f"the expected actions do not apply to the initial state: "
                                     f"{err}")
             messages = to_messages(t.items[:start])
             verifier = WorkplaceSpec(initial_state=initial, expected_state=expected_state,
-                                     max_steps=max(8, 2 * len(calls)), unsafe_tools=unsafe)
+                                     max_steps=max(8, 2 * len(found.calls)), unsafe_tools=unsafe)
         elif env == "tool_call":
-            call_steps = [n for n, i in enumerate(t.items) if isinstance(i, FunctionCallItem)]
-            k = call_steps.index(c.step) if c.step in call_steps else 0
-            if k >= len(calls):
-                return Unverifiable(f"the failing call #{k + 1} has no expected counterpart")
-            cut = call_steps[k] if k < len(call_steps) else start
-            messages = to_messages(t.items[:cut])
-            verifier = ToolCallSpec(expected=calls[k], unsafe_tools=unsafe)
+            built = _tool_call_turn(t, c, found, tools, unsafe)
+            if isinstance(built, Unverifiable):
+                return built
+            messages, verifier = built
         else:
             return Unverifiable(f"unknown environment {env!r}")
     if not any(m["role"] == "user" for m in messages):

@@ -3,7 +3,9 @@
 The rules look for the first failing decision in a trajectory, in this order of precedence
 per function call: hallucinated tool → unsafe action → invalid format (arguments not a JSON
 object) → bad arguments (violating the tool's JSON schema) → disagreement with a known
-expected action (wrong tool / bad arguments) → the call's output (tool error / timeout).
+expected action (wrong tool / bad arguments, judged as the tool_call verifier judges: each
+call against a not yet used expected call of its name, order-free) → the call's output
+(tool error / timeout).
 Outcome-level statuses (timeout, escalated) and the shape of the ending (incomplete,
 unparseable tool-call text) decide the rest. An optional `Labeller` (an LLM judge, say) may
 refine the rules' `other`; it is off by default.
@@ -18,6 +20,7 @@ from typing import Any, Protocol
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
+from flywheel.environments.matching import arguments_match
 from flywheel.schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -86,6 +89,22 @@ def _final_text(t: Trajectory) -> str | None:
     return None
 
 
+def _disagreement(unused: list[ExpectedCall], name: str, args: dict[str, Any],
+                  schema: dict[str, Any]) -> tuple[FailureMode, dict[str, Any]] | None:
+    """How a call disagrees with the expected calls not yet made (None: it is one of them,
+    which is then used up)."""
+    same = [c for c in unused if c.name == name]
+    if not same:
+        return "wrong_tool", {"expected_tool": unused[0].name}
+    scored = [(arguments_match(c.arguments, args, schema, alternatives=c.alternatives,
+                               optional=c.optional)[0], n) for n, c in enumerate(same)]
+    share, best = max(scored, key=lambda sn: (sn[0], -sn[1]))
+    if share < 1.0:
+        return "bad_arguments", {"arguments": args, "expected_arguments": same[best].arguments}
+    unused.remove(same[best])
+    return None
+
+
 def classify_failure(t: Trajectory, expected: list[ExpectedCall] | None = None,
                      labeller: Labeller | None = None) -> Classification:
     """Why did this (failed) trajectory fail? `expected`: the known right calls, if any."""
@@ -97,7 +116,8 @@ def classify_failure(t: Trajectory, expected: list[ExpectedCall] | None = None,
     tools = _Tools.of(t)
     outputs = {i.call_id: i for i in t.items if isinstance(i, FunctionCallOutputItem)}
     calls = [(n, i) for n, i in enumerate(t.items) if isinstance(i, FunctionCallItem)]
-    for k, (step, call) in enumerate(calls):
+    unused = list(expected) if expected is not None else None
+    for step, call in calls:
         ev: dict[str, Any] = {"call_id": call.call_id, "tool": call.name}
         if call.name not in tools.by_name:
             return Classification("hallucinated_tool", {**ev, "offered": sorted(tools.by_name)},
@@ -112,23 +132,19 @@ def classify_failure(t: Trajectory, expected: list[ExpectedCall] | None = None,
         errors = schema_errors(tools.by_name[call.name], args)
         if errors:
             return Classification("bad_arguments", {**ev, "schema_errors": errors[:10]}, step)
-        if expected is not None and k < len(expected):
-            want = expected[k]
-            if want.name != call.name:
-                return Classification("wrong_tool", {**ev, "expected_tool": want.name}, step)
-            if want.arguments != args:
-                return Classification("bad_arguments", {**ev, "arguments": args,
-                                                        "expected_arguments": want.arguments},
-                                      step)
+        if unused:
+            wrong = _disagreement(unused, call.name, args, tools.by_name[call.name].parameters)
+            if wrong is not None:
+                mode, detail = wrong
+                return Classification(mode, {**ev, **detail}, step)
         out = outputs.get(call.call_id)
         if out is not None and out.status == "timeout":
             return Classification("timeout", {**ev, "output": out.output[:500]}, step)
         if out is not None and out.status == "error":
             return Classification("tool_error", {**ev, "output": out.output[:500]}, step)
-    if expected is not None and len(expected) > len(calls):
-        missing = [c.name for c in expected[len(calls):]]
+    if unused:
         return Classification("incomplete", {"reason": "expected calls never made",
-                                             "missing": missing}, None)
+                                             "missing": [c.name for c in unused]}, None)
     final = _final_text(t)
     if final is not None and _looks_like_tool_call(final):
         try:

@@ -9,7 +9,9 @@ A demonstration is the first tool call of a `tool_call` decision: the prompt tha
   names an offered, safe tool, its arguments are a JSON object and its output is no error;
 * a failure corrected by a person, by structured feedback or by a later successful retry in
   the same session: the corrected call. The miner already turned these into train-split
-  tasks, so the store reads them from the tasks' `ToolCallSpec.expected`.
+  tasks, so the store reads them from the tasks' `ToolCallSpec.expected` (its canonical
+  arguments). A task expecting several calls is no demonstration yet: the one-JSON-object
+  completion cannot hold them (the chat format's `tool_calls` will).
 
 Its fingerprint is the one the miner gives the task built from the same context and call, so
 the holdout filter speaks the miner's language: nothing whose fingerprint is a holdout task's,
@@ -107,7 +109,10 @@ def demonstration_from_task(task: TaskSpec, source: uuid.UUID) -> Demonstration 
         return None
     names = {tool.get("name") for tool in task.tools}
     unsafe = set(spec.unsafe_tools) | {t.get("name") for t in task.tools if t.get("x-unsafe")}
-    if spec.expected.name not in names or spec.expected.name in unsafe:
+    if len(spec.expected) != 1:
+        return None
+    (want,) = spec.expected
+    if want.name not in names or want.name in unsafe:
         return None
     # Earlier tool calls in the context have no text the chat template can render; the first
     # decision after the request is what single-step demonstrations teach.
@@ -115,7 +120,7 @@ def demonstration_from_task(task: TaskSpec, source: uuid.UUID) -> Demonstration 
                for m in task.messages) or not any(m["role"] == "user" for m in task.messages):
         return None
     prompt = build_prompt(task)
-    call = json.dumps({"tool": spec.expected.name, "arguments": spec.expected.arguments})
+    call = json.dumps({"tool": want.name, "arguments": want.arguments})
     if not call.startswith(prompt.prefill):
         return None
     return Demonstration(messages=prompt.messages, prefill=prompt.prefill,
@@ -140,7 +145,7 @@ def success_task(t: Trajectory) -> TaskSpec | None:
     # The same serialization and verifier as `build_task`, so the fingerprints agree; mode
     # and split are placeholders (build_prompt reads only messages, tools and verifier).
     tools, unsafe = tool_specs(t)
-    verifier = ToolCallSpec(expected=ExpectedCall(name=call.name, arguments=args),
+    verifier = ToolCallSpec(expected=[ExpectedCall(name=call.name, arguments=args)],
                             unsafe_tools=unsafe)
     return new_task("tool_call", to_messages(t.items[:step]), tools, verifier,
                     failure_mode="other", holdout_fraction=0.0)

@@ -16,6 +16,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from flywheel.environments import load_environment, profile_rewards
+from flywheel.mining.expected import call_groups
 from flywheel.schemas import FunctionCallItem, MessageItem, Trajectory
 from flywheel.tasks import (
     CodeSpec,
@@ -42,13 +43,27 @@ def result_json(r: VerifierResult | RolloutNotRun) -> dict[str, Any]:
 
 
 def check(task: TaskSpec, outputs: list[Any]) -> list[dict[str, Any]]:
-    return [result_json(score(task, o)) for o in outputs]
+    """One result per output; an output of a kind the environment cannot score says so."""
+    results = []
+    for o in outputs:
+        try:
+            results.append(result_json(score(task, o)))
+        except TypeError as err:  # e.g. a number where a message or calls were due
+            results.append({"reward": None, "error": str(err)})
+    return results
+
+
+def assistant_message(calls: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An OpenAI-style assistant message making `calls` ((name, arguments) each)."""
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": f"call_{n}", "type": "function", "function": {"name": name, "arguments": args}}
+        for n, (name, args) in enumerate(calls)]}
 
 
 def reference_output(task: TaskSpec) -> Any | None:
     v = task.verifier
     if isinstance(v, ToolCallSpec):
-        return json.dumps({"tool": v.expected.name, "arguments": v.expected.arguments})
+        return assistant_message([(c.name, json.dumps(c.arguments)) for c in v.expected])
     if isinstance(v, WorkplaceSpec):
         return v.expected_state
     return None  # code tasks carry tests, not a reference solution
@@ -58,11 +73,12 @@ def attempted_output(task: TaskSpec, t: Trajectory, evidence: dict[str, Any]) ->
     """What the deployed agent actually did at the failing decision, as verifier input."""
     calls = [i for i in t.items if isinstance(i, FunctionCallItem)]
     if isinstance(task.verifier, ToolCallSpec):
-        call = next((c for c in calls if c.call_id == evidence.get("call_id")),
-                    calls[0] if calls else None)
-        return (json.dumps({"tool": call.name, "arguments": json.loads(call.arguments)})
-                if call is not None and _is_json(call.arguments) else
-                (call.arguments if call is not None else None))
+        turns = call_groups(t.items)
+        turn = next((tn for tn in turns if any(c.call_id == evidence.get("call_id")
+                                                for c in tn)), turns[0] if turns else None)
+        if turn is None:
+            return None  # the agent made no call (e.g. answered in text): nothing to score
+        return assistant_message([(c.name, c.arguments) for c in turn])
     if isinstance(task.verifier, WorkplaceSpec):
         return [{"name": c.name, "arguments": c.arguments} for c in calls]
     if isinstance(task.verifier, CodeSpec):
@@ -70,14 +86,6 @@ def attempted_output(task: TaskSpec, t: Trajectory, evidence: dict[str, Any]) ->
                  and i.role == "assistant" and isinstance(i.content, str)]
         return texts[-1] if texts else None
     return None
-
-
-def _is_json(s: str) -> bool:
-    try:
-        json.loads(s)
-    except json.JSONDecodeError:
-        return False
-    return True
 
 
 async def profile(conn: AsyncConnection, env: str, sample: int, seed: int = 0) -> dict[str, Any]:
