@@ -26,7 +26,7 @@ from typing import Annotated, Literal
 import msgspec
 from pydantic import TypeAdapter, ValidationError
 
-from flywheel.schemas import CallStatus, OutcomeStatus, Trajectory
+from flywheel.schemas import CallStatus, OutcomeStatus, Trajectory, TrajectoryStatus
 
 # pydantic's JSON parser (jiter) refuses documents nested deeper than this (it accepts 201
 # levels today; one less keeps us on the safe side) and integers longer than CPython's
@@ -52,7 +52,7 @@ class RowData(msgspec.Struct, frozen=True, gc=False):
     trajectory_id: uuid.UUID
     agent: str
     session_id: str | None
-    status: OutcomeStatus
+    status: TrajectoryStatus
     is_failure: bool
     model: str | None
     adapter_version: str | None
@@ -61,7 +61,7 @@ class RowData(msgspec.Struct, frozen=True, gc=False):
 
     @classmethod
     def of(cls, t: Trajectory) -> RowData:
-        return cls(t.trajectory_id, t.agent, t.session_id, t.outcome.status, t.is_failure,
+        return cls(t.trajectory_id, t.agent, t.session_id, t.status, t.is_failure,
                    t.model, t.adapter_version, t.started_at, t.ended_at)
 
 
