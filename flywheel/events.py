@@ -351,8 +351,9 @@ LIFECYCLE_EVENTS = ("AdapterTrained", "AdapterEvaluated", "AdapterPromoted", "Ad
 `serving_state`) `flywheel replay` rebuilds."""
 
 Event = Annotated[DeadLettered | TrajectoriesIngested | FeedbackReceived | TaskCreated
-                  | EvalSetFrozen | RolloutRequested | GroupScored | AdapterTrained | AdapterEvaluated
-                  | AdapterPromoted | AdapterRejected | AdapterRolledBack | ServingSwitched,
+                  | EvalSetFrozen | RolloutRequested | GroupScored | AdapterTrained
+                  | AdapterEvaluated | AdapterPromoted | AdapterRejected | AdapterRolledBack
+                  | ServingSwitched,
                   Field(discriminator="type")]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 

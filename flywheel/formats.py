@@ -168,13 +168,16 @@ def pair_to_record(record: dict[str, Any]) -> dict[str, Any]:
     """A request/response pair → a v1-shaped dict (items, tools, model, usage, ended_at,
     session_id, metadata); fields of ours the pair carries (`agent`, `outcome`, …) are kept.
 
-    The first choice is the call's answer; others are kept in `metadata.response`. What the
+    The first choice is the call's answer; others are kept in `metadata.response`.
+    `metadata.response_index` is where the answer's items begin: what comes before is the
+    request's context (earlier calls of the conversation), judged when those were. What the
     request and response hold besides messages, tools, choices and usage is kept under
     `metadata.request` / `metadata.response`: nothing is dropped."""
     req, messages, resp, choice = _pair_parts(record)
     answer = {"role": "assistant", **choice["message"]}
     out = {k: v for k, v in record.items() if k not in PAIR_FIELDS}
-    out["items"] = chat_to_items(messages) + chat_to_items([answer], first_index=len(messages))
+    history = chat_to_items(messages)
+    out["items"] = history + chat_to_items([answer], first_index=len(messages))
     if "tools" in req and "tools" not in out:
         out["tools"] = req["tools"]
     model = resp.get("model") or req.get("model")
@@ -205,6 +208,7 @@ def pair_to_record(record: dict[str, Any]) -> dict[str, Any]:
         return out  # validation says that metadata must be an object
     added: dict[str, Any] = {
         "source_format": "request_response", "session_source": session_source,
+        "response_index": len(history),
         "request": {k: v for k, v in req.items() if k not in ("messages", "tools")},
         "response": response_meta}
     for key in ("client_id", "workload_id"):
