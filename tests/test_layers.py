@@ -34,6 +34,8 @@ SAME_LAYER_ALLOWED = {
     ("gate", "rollout"),      # the gate evaluates by running rollout groups
     ("api", "gate"), ("cli", "api"), ("cli", "demo"), ("cli", "bench"), ("bench", "demo"),
     ("demo", "api"), ("api", "demo"),
+    ("schemas", "formats"),   # the wire format converts what agents log (pure dict → dict)
+    ("feedback", "schemas"), ("feedback", "formats"),  # feedback carries items, corrections
 }
 """Edges inside one layer that are the design, not an accident (every other is refused)."""
 FORBIDDEN = {("rollout", "trainer"), ("trainer", "gate"), ("gate", "trainer"),

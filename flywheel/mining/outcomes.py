@@ -119,9 +119,10 @@ async def _apply_to(conn: AsyncConnection, trajectory_id: uuid.UUID, ingested: T
                                   "failure": t.is_failure, "n": len(events),
                                   "record": t.model_dump_json(exclude_none=True)})
     await append_events(conn, events, topics)
+    mined = await remine(conn, t, holdout_fraction=holdout_fraction, topics=topics,
+                         labeller=labeller)
     stats.applied += len(events)
-    stats.mined.add(await remine(conn, t, holdout_fraction=holdout_fraction, topics=topics,
-                                 labeller=labeller))
+    stats.mined.add(mined)
 
 
 async def apply_pending(conn: AsyncConnection, *, topics: Topics, holdout_fraction: float,
