@@ -165,7 +165,7 @@ def _pair_parts(record: dict[str, Any]) -> tuple[dict[str, Any], list[Any], dict
 
 
 def pair_to_record(record: dict[str, Any]) -> dict[str, Any]:
-    """A request/response pair → a v1-shaped dict (items, tools, model, usage, ended_at,
+    """A request/response pair → a v1-shaped dict (items, tools, model, usage, started_at,
     session_id, metadata); fields of ours the pair carries (`agent`, `outcome`, …) are kept.
 
     The first choice is the call's answer; others are kept in `metadata.response`.
@@ -188,8 +188,9 @@ def pair_to_record(record: dict[str, Any]) -> dict[str, Any]:
         rest = {k: v for k, v in usage.items() if k not in ("prompt_tokens", "completion_tokens")}
         out["usage"] = {"input_tokens": usage.get("prompt_tokens"),
                         "output_tokens": usage.get("completion_tokens"), **rest}
-    if record.get("timestamp") is not None and out.get("ended_at") is None:
-        out["ended_at"] = record["timestamp"]  # epoch seconds (blueprint: logged when done)
+    if record.get("timestamp") is not None and out.get("started_at") is None:
+        # The blueprint's README: "`int` (epoch secs) | Time the request was issued".
+        out["started_at"] = record["timestamp"]
     req_meta = req.get("metadata")
     session_source = "record"
     if out.get("session_id") is None:

@@ -67,7 +67,7 @@ def test_a_pair_becomes_its_request_transcript_plus_the_answer() -> None:
     assert t.model == "m-2025" and [tool.name for tool in t.tools] == \
         ["get_order", "cancel_order", "refund"]
     assert t.usage is not None and (t.usage.input_tokens, t.usage.output_tokens) == (100, 12)
-    assert t.ended_at is not None and int(t.ended_at.timestamp()) == 1746138417
+    assert t.started_at is not None and int(t.started_at.timestamp()) == 1746138417
     assert t.outcome is None and t.status == "awaiting_outcome" and not t.is_failure
     m = t.metadata
     assert (m["source_format"], m["request_id"], m["client_id"], m["workload_id"],

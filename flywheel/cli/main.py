@@ -66,14 +66,18 @@ def up(detach: Annotated[bool, typer.Option("--detach", "-d",
 
 
 def _print_run(run: dict[str, Any], home: Path) -> None:
-    console.print(f"[green]flywheel is up[/green] (FLYWHEEL_HOME={home.resolve()})")
+    home = Path(run.get("home") or home).resolve()  # what the running supervisor uses
+    console.print("[green]flywheel is up[/green]")
+    # soft_wrap: a long path is printed whole, never folded, so it can be copied.
+    console.print(f"  home      FLYWHEEL_HOME={home}", soft_wrap=True)
     console.print(f"  kafka     {run['kafka_bootstrap']}")
     console.print(f"  postgres  {run['database_url']}")
     console.print(f"  api       {run['api_url']}")
     if run.get("dashboard_url"):
         console.print(f"  dashboard {run['dashboard_url']}")
     console.print(f"  logs      {run['logs']}")
-    console.print(f"  tokens    in {home.resolve() / 'run.json'} (publish / operate)")
+    console.print(f"  tokens    in {home / 'run.json'} (publish / operate)",
+                  soft_wrap=True)
 
 
 @app.command()

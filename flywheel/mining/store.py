@@ -64,7 +64,8 @@ async def find_successes(conn: AsyncConnection, session_id: str, key: str, limit
     """The newest successes of this request in the session (newest first)."""
     rows = (await conn.execute(text("""
         SELECT record FROM session_successes WHERE session_id = :s AND request_key = :k
-        ORDER BY (record->>'ended_at') DESC NULLS LAST LIMIT :n"""),
+        ORDER BY coalesce(record->>'ended_at', record->>'started_at') DESC NULLS LAST
+        LIMIT :n"""),
         {"s": session_id, "k": key, "n": limit})).scalars()
     return [Trajectory.model_validate(r) for r in rows]
 
