@@ -41,9 +41,14 @@ class Principal:
     """The agent configured for the token: names records that do not name their own."""
 
 
-def grant(value: list[Scope] | TokenGrant) -> TokenGrant:
-    """A token's configuration in its full form (`["publish"]` is `{"scopes": ["publish"]}`)."""
-    return value if isinstance(value, TokenGrant) else TokenGrant(scopes=value)
+def grant(value: list[Scope] | TokenGrant | dict[str, Any]) -> TokenGrant:
+    """A token's configuration in its full form (`["publish"]` is `{"scopes": ["publish"]}`);
+    a plain dict is what a copied `Settings` or a hand-written tokens file may hold."""
+    if isinstance(value, TokenGrant):
+        return value
+    if isinstance(value, dict):
+        return TokenGrant.model_validate(value)
+    return TokenGrant(scopes=value)
 
 
 def fingerprint(token: str) -> str:

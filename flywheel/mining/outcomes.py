@@ -9,7 +9,8 @@ arrival order) is written, `FeedbackReceived` is appended, and the trajectory is
 again with it. Feedback that names a trajectory not stored yet stays pending and is tried
 again on every sweep (`miner.feedback_sweep_s`) until it arrives; nothing is dropped.
 Feedback that cannot be applied (a bug, a record that no longer validates) is parked with
-its error and counted in status, never retried in a loop.
+its error and counted in status, never retried in a loop; a database error (a deadlock with
+another miner) leaves it pending for the next sweep.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from flywheel.config import Topics
@@ -142,6 +144,11 @@ async def apply_pending(conn: AsyncConnection, *, topics: Topics, holdout_fracti
                 await _apply_to(conn, trajectory_id, parse_trajectory(record), feedback,
                                 stats, topics=topics, holdout_fraction=holdout_fraction,
                                 labeller=labeller)
+        except DBAPIError as err:  # a deadlock with another miner, a lost connection: later
+            log.warning("applying feedback to trajectory %s failed, retried by the next "
+                        "sweep: %s", trajectory_id, err)
+            if err.connection_invalidated:
+                raise
         except Exception as err:
             log.error("could not apply feedback %s to trajectory %s (parked): %s",
                       [str(f.feedback_id) for f in feedback], trajectory_id, err)
