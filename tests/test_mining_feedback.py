@@ -6,6 +6,7 @@ import json
 import uuid
 from typing import Any
 
+import asyncpg
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -19,7 +20,7 @@ from flywheel.mining.outcomes import apply_pending, store_feedback
 from flywheel.mining.service import mine_batch
 from flywheel.schemas import parse_trajectory
 from tests.helpers import scalar
-from tests.test_formats import SECOND
+from tests.test_formats import SECOND, SYSTEM, USER, call, pair
 
 pytestmark = [pytest.mark.postgres]
 TOPICS = Topics.for_prefix("t")
@@ -123,3 +124,38 @@ async def test_feedback_that_cannot_be_applied_is_parked_not_retried(
     s = await status(engine)
     assert (s["feedback_parked"], s["feedback_pending"], s["awaiting_outcome"]) == (1, 0, 1)
     assert (await sweep(engine)).parked == 0  # parked stays parked: no retry loop
+
+
+async def test_across_pairs_a_new_attempt_is_a_retry_a_continuation_is_not(
+        engine: AsyncEngine, pg_dsn: str) -> None:
+    def answered(n: int, messages: list[dict[str, Any]], name: str) -> dict[str, Any]:
+        record = pair(messages, {"role": "assistant", "content": None,
+                                 "tool_calls": [call(name, {"order_id": "7"})]})
+        record["response"] = {**record["response"], "id": f"chatcmpl-{n}"}
+        return record
+
+    wrong = answered(1, [SYSTEM, USER], "cancel_order")
+    goes_on = answered(2, [SYSTEM, USER, wrong["response"]["choices"][0]["message"],
+                           {"role": "tool", "tool_call_id": "call_2_0", "content": "cancelled"}],
+                       "get_order")
+    again = answered(3, [SYSTEM, USER], "refund")  # a new conversation, same opening
+    await ingest(engine, wrong, goes_on, again)
+    await feedback(engine, {"request_id": "chatcmpl-1", "rating": "down"})
+    assert await scalar(pg_dsn, "SELECT count(*) FROM failures WHERE status = "
+                                "'unverifiable'") == 1
+    later = await feedback(engine, {"request_id": "chatcmpl-2", "rating": "up"})
+    assert later.mined.upgraded == 0  # the same conversation going on: no retry
+    retry = await feedback(engine, {"request_id": "chatcmpl-3", "rating": "up"})
+    assert retry.mined.upgraded == 1
+    spec = json.loads(str(await scalar_text(pg_dsn, "SELECT spec::text FROM tasks")))
+    assert [c["name"] for c in spec["verifier"]["expected"]] == ["refund"]
+    assert await scalar(pg_dsn, "SELECT count(*) FROM tasks WHERE expected_from LIKE "
+                                "'retry:%'") == 1
+
+
+async def scalar_text(dsn: str, sql: str) -> object:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await conn.fetchval(sql)
+    finally:
+        await conn.close()

@@ -22,8 +22,8 @@ def publish(
                                       "--feedback) validates and dead-letters bad ones.")
                    ] = False,
     strict: Annotated[bool, typer.Option(help="Stop at the first invalid line.")] = False,
-    agent: Annotated[str | None, typer.Option(help="Agent of the records that name none "
-                                              "(else the record's, else 'unknown').")] = None,
+    agent: Annotated[str | None, typer.Option(help="Names the agent of records that do not "
+                                              "name one (otherwise 'unknown').")] = None,
     feedback: Annotated[bool, typer.Option("--feedback", help="Lines are feedback (ratings, "
                                            "outcomes, corrections) for stored trajectories."
                                            )] = False,
