@@ -1,4 +1,4 @@
-"""Wire format v1: trajectories (and what agents log instead of them), and feedback.
+"""Trajectory wire format v1, and the shapes agents log instead of it (converted on the way in).
 
 A trajectory is what a deployed agent did: the tools it was offered, the ordered items
 (messages, function calls, their outputs, reasoning) and, once known, the outcome. Items
