@@ -154,8 +154,8 @@ def build_app(settings: Settings) -> FastStream:
     )
     async def ingest(batch: Any, msg: KafkaMessage) -> None:
         consumed: tuple[ConsumerRecord[bytes, bytes], ...] = batch
-        records = [RawRecord(r.topic, r.partition, r.offset, r.key, r.value or b"")
-                   for r in consumed]
+        records = [RawRecord(r.topic, r.partition, r.offset, r.key, r.value or b"",
+                             tuple(r.headers or ())) for r in consumed]
         accepted, rejected = classify(records, max_bytes=cfg.max_payload_bytes)
         await pipeline.drain()  # the previous batch is durable and committed
         pipeline.start(msg.consumer, records,

@@ -61,6 +61,10 @@ class MinerSettings(BaseModel):
     """Optional second opinion for `other` failures; only `none` ships today."""
     batch_max_records: int = 500
     """Most trajectories mined in one transaction."""
+    feedback_group_id: str = "flywheel-miner-feedback"
+    """Consumer group of the miner on the feedback topic."""
+    feedback_sweep_s: float = Field(default=2.0, gt=0)
+    """How often stored feedback whose trajectory was not stored yet is tried again."""
 
 
 class RolloutSettings(BaseModel):
@@ -263,14 +267,25 @@ class RelaySettings(BaseModel):
     """Outbox rows published per round."""
 
 
+class TokenGrant(BaseModel):
+    """What a gateway token may do, and the agent its records are from."""
+
+    scopes: list[Scope]
+    """`publish` and/or `operate`."""
+    agent: str | None = Field(default=None, min_length=1)
+    """Names the agent of records posted with this token that do not name one."""
+
+
 class ApiSettings(BaseModel):
     host: str = "127.0.0.1"
     """Address the HTTP API binds to."""
     port: int = 8765
     """Port of the HTTP API."""
-    tokens: dict[str, list[Scope]] = Field(default_factory=dict)
-    """Bearer token → scopes. JSON in the environment: `FLYWHEEL_API__TOKENS='{"t1": ["publish"]}'`.
-    Empty = `flywheel up` generates a `publish` and an `operate` token into `.flywheel/run.json`."""
+    tokens: dict[str, list[Scope] | TokenGrant] = Field(default_factory=dict)
+    """Bearer token → scopes, or → `{"scopes": [...], "agent": "support-bot"}` to also name
+    the agent of what the token publishes. JSON in the environment:
+    `FLYWHEEL_API__TOKENS='{"t1": ["publish"], "t2": {"scopes": ["publish"], "agent": "bot"}}'`.
+    Empty = `flywheel up` generates a `publish` and an `operate` token into `<home>/run.json`."""
     serve: bool = True
     """Serve the `production` alias (`POST /v1/chat/completions`) and follow promotions and
     rollbacks; loads the policy engine in the API process on the first switch."""
@@ -324,6 +339,7 @@ class Topics(BaseModel, frozen=True):
 
     trajectories: str
     trajectories_dlq: str
+    feedback: str
     ingest: str
     tasks: str
     rollout_requests: str
@@ -335,6 +351,7 @@ class Topics(BaseModel, frozen=True):
         return cls(
             trajectories=f"{prefix}.trajectories",
             trajectories_dlq=f"{prefix}.trajectories.dlq",
+            feedback=f"{prefix}.feedback",
             ingest=f"{prefix}.ingest",
             tasks=f"{prefix}.tasks",
             rollout_requests=f"{prefix}.rollout.requests",
@@ -345,6 +362,7 @@ class Topics(BaseModel, frozen=True):
     def for_event(self, event_type: str) -> str:
         """The topic every event of `event_type` is published to: the one routing table."""
         route = {"DeadLettered": self.trajectories_dlq, "TrajectoriesIngested": self.ingest,
+                 "FeedbackReceived": self.ingest,
                  "TaskCreated": self.tasks, "EvalSetFrozen": self.tasks,
                  "RolloutRequested": self.rollout_requests, "GroupScored": self.rollouts,
                  **dict.fromkeys(("AdapterTrained", "AdapterEvaluated", "AdapterPromoted",
@@ -357,7 +375,7 @@ class Topics(BaseModel, frozen=True):
                            "Topics.for_event") from None
 
     def all(self) -> list[str]:
-        return [self.trajectories, self.trajectories_dlq, self.ingest, self.tasks,
+        return [self.trajectories, self.trajectories_dlq, self.feedback, self.ingest, self.tasks,
                 self.rollout_requests, self.rollouts, self.adapters]
 
 

@@ -77,6 +77,30 @@ class TrajectoriesIngested(_Event):
     payload: TrajectoriesIngestedPayload
 
 
+class FeedbackReceivedPayload(_Payload):
+    feedback_id: uuid.UUID
+    trajectory_id: uuid.UUID
+    """The stored trajectory it was applied to (named by id or by `request_id`)."""
+    request_id: str | None
+    previous_status: str
+    """The trajectory's status before: an outcome status or `awaiting_outcome`."""
+    status: str
+    """Its status with this feedback applied (what the miner mined it as)."""
+    rating: Literal["up", "down"] | None
+    correction: bool
+    """Whether it carried a correction (the calls the agent should have made)."""
+    structured: bool
+    """Whether it carried structured feedback (`{"expected_call": …}`)."""
+
+
+class FeedbackReceived(_Event):
+    """Feedback was applied to a stored trajectory, which was mined again with it (feedback
+    that names a trajectory not stored yet waits in `feedback` and is applied on arrival)."""
+
+    type: Literal["FeedbackReceived"] = "FeedbackReceived"
+    payload: FeedbackReceivedPayload
+
+
 class TaskCreatedPayload(_Payload):
     task_id: uuid.UUID
     env: str
@@ -326,9 +350,10 @@ LIFECYCLE_EVENTS = ("AdapterTrained", "AdapterEvaluated", "AdapterPromoted", "Ad
 """Event types whose projections (`adapter_versions`, `evaluations`, `production`,
 `serving_state`) `flywheel replay` rebuilds."""
 
-Event = Annotated[DeadLettered | TrajectoriesIngested | TaskCreated | EvalSetFrozen
-                  | RolloutRequested | GroupScored | AdapterTrained | AdapterEvaluated
-                  | AdapterPromoted | AdapterRejected | AdapterRolledBack | ServingSwitched,
+Event = Annotated[DeadLettered | TrajectoriesIngested | FeedbackReceived | TaskCreated
+                  | EvalSetFrozen | RolloutRequested | GroupScored | AdapterTrained
+                  | AdapterEvaluated | AdapterPromoted | AdapterRejected | AdapterRolledBack
+                  | ServingSwitched,
                   Field(discriminator="type")]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 

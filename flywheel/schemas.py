@@ -1,9 +1,15 @@
-"""Trajectory wire format v1 and its conversion from OpenAI Chat Completions transcripts.
+"""Trajectory wire format v1, and the shapes agents log instead of it (converted on the way in).
 
 A trajectory is what a deployed agent did: the tools it was offered, the ordered items
-(messages, function calls, their outputs, reasoning) and the outcome. Items follow the OpenAI
-Responses API shapes so agent logs map in without loss. Unknown top-level fields are moved
-into `metadata["unknown_fields"]`; unknown fields inside nested objects are kept in place.
+(messages, function calls, their outputs, reasoning) and, once known, the outcome. Items
+follow the OpenAI Responses API shapes so agent logs map in without loss. Chat Completions
+transcripts and request/response pairs are converted by `flywheel.formats`; a record
+without an `agent` is named from its context (`ParseContext`). Unknown top-level fields are
+moved into `metadata["unknown_fields"]`; unknown fields inside nested objects are kept in
+place.
+
+What arrives later for a stored trajectory (an outcome, a rating, a correction) is
+`flywheel.feedback.Feedback`.
 """
 
 from __future__ import annotations
@@ -13,8 +19,19 @@ import uuid
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from flywheel.formats import (
+    ParseContext,
+    chat_to_items,
+    derive_agent,
+    is_chat_transcript,
+    is_pair,
+    pair_to_record,
+)
+
+__all__ = ["AWAITING_OUTCOME", "ParseContext", "Trajectory", "chat_to_items", "content_id",
+           "is_chat_transcript", "normalize", "parse_trajectory"]
 SCHEMA_VERSION = 1
 # Namespace of content-derived trajectory ids (uuid5), fixed forever: changing it would turn
 # re-sent duplicates of id-less records into new rows.
@@ -22,6 +39,10 @@ CONTENT_ID_NAMESPACE = uuid.UUID("6b1f0c52-4a9e-4d57-9a0f-3c1d2e8b7a11")
 
 OutcomeStatus = Literal["success", "failure", "error", "timeout", "escalated"]
 CallStatus = Literal["ok", "error", "timeout"]
+AWAITING_OUTCOME: Literal["awaiting_outcome"] = "awaiting_outcome"
+"""The `trajectories.status` of a record stored without an outcome (neither success nor
+failure until feedback says which)."""
+TrajectoryStatus = OutcomeStatus | Literal["awaiting_outcome"]
 
 
 class _Open(BaseModel):
@@ -87,7 +108,9 @@ class Outcome(_Open):
     status: OutcomeStatus
     reward: float | None = None
     error: str | None = None
-    feedback: str | None = None
+    feedback: str | dict[str, Any] | None = None
+    """Free text, or structured: `{"expected_call": {…}}` / `{"expected_calls": [...]}`
+    (also as a JSON string), which the miner turns into the expected action."""
     human_intervention: HumanIntervention | None = None
 
 
@@ -103,6 +126,8 @@ class Trajectory(BaseModel):
     trajectory_id: uuid.UUID
     """Producer-assigned idempotency key; derived from content when absent."""
     agent: str = Field(min_length=1)
+    """Named by the record, else by its context (`flywheel.formats.derive_agent`); how is
+    in `metadata.agent_source` when the record did not name it."""
     session_id: str | None = None
     model: str | None = None
     adapter_version: str | None = None
@@ -111,14 +136,32 @@ class Trajectory(BaseModel):
     ended_at: datetime | None = None
     tools: list[Tool] = Field(default_factory=list)
     items: list[Item] = Field(default_factory=list)
-    outcome: Outcome
+    outcome: Outcome | None = None
+    """None: not known yet (stored as awaiting outcome; feedback may bring it later)."""
     metadata: dict[str, Any] = Field(default_factory=dict)
     usage: Usage | None = None
     latency_ms: float | None = Field(default=None, ge=0)
 
+    @model_validator(mode="after")
+    def _says_something(self) -> Trajectory:
+        if self.outcome is None and not self.items:
+            raise ValueError("a trajectory needs what the agent did (items, Chat Completions "
+                             "messages, or a request/response pair) or an outcome; it has "
+                             "neither")
+        return self
+
     @property
     def is_failure(self) -> bool:
-        return self.outcome.status != "success"
+        return self.outcome is not None and self.outcome.status != "success"
+
+    @property
+    def is_success(self) -> bool:
+        return self.outcome is not None and self.outcome.status == "success"
+
+    @property
+    def status(self) -> TrajectoryStatus:
+        """The outcome's status, or `awaiting_outcome`."""
+        return self.outcome.status if self.outcome is not None else AWAITING_OUTCOME
 
 
 _KNOWN = frozenset(Trajectory.model_fields)
@@ -138,48 +181,24 @@ def _flatten_tool(tool: Any) -> Any:
     return tool
 
 
-def is_chat_transcript(record: dict[str, Any]) -> bool:
-    return "messages" in record and "items" not in record
+def _with_metadata(data: dict[str, Any], **fields: Any) -> None:
+    """Add `fields` to `data["metadata"]` (left alone when it is not an object: validation
+    then says that it must be one)."""
+    meta = data.get("metadata", {})
+    if isinstance(meta, dict):
+        data["metadata"] = {**meta, **fields}
 
 
-def chat_to_items(messages: list[Any]) -> list[dict[str, Any]]:
-    """OpenAI Chat Completions `messages` (with `tool_calls`) → v1 items, order kept."""
-    items: list[dict[str, Any]] = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or "role" not in msg:
-            raise ValueError(f"messages[{i}] must be an object with a 'role'")
-        role = msg["role"]
-        extra = {k: v for k, v in msg.items() if k not in {"role", "content", "tool_calls",
-                                                            "tool_call_id", "status"}}
-        if role == "tool":
-            if "tool_call_id" not in msg:
-                raise ValueError(f"messages[{i}] (role 'tool') needs 'tool_call_id'")
-            content = msg.get("content")
-            output = content if isinstance(content, str) else json.dumps(content)
-            items.append({"type": "function_call_output", "call_id": msg["tool_call_id"],
-                          "output": output, "status": msg.get("status", "ok"), **extra})
-            continue
-        if msg.get("content") not in (None, "", []) or not msg.get("tool_calls"):
-            items.append({"type": "message", "role": role, "content": msg.get("content"),
-                          **extra})
-        for j, call in enumerate(msg.get("tool_calls") or []):
-            fn = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(fn, dict) or "name" not in fn:
-                raise ValueError(f"messages[{i}].tool_calls[{j}] needs function.name")
-            args = fn.get("arguments", "")
-            items.append({"type": "function_call", "call_id": call.get("id") or f"call_{i}_{j}",
-                          "name": fn["name"],
-                          "arguments": args if isinstance(args, str) else json.dumps(args)})
-    return items
+def normalize(record: dict[str, Any], context: ParseContext | None = None) -> dict[str, Any]:
+    """Any accepted shape (v1, chat transcript, request/response pair) → a dict that
+    validates as `Trajectory`.
 
-
-def normalize(record: dict[str, Any]) -> dict[str, Any]:
-    """Any accepted shape (v1 or chat transcript) → a dict that validates as `Trajectory`.
-
-    Adds a content-derived `trajectory_id` when missing and moves unknown top-level fields
-    into `metadata["unknown_fields"]`.
+    Adds a content-derived `trajectory_id` when missing (from the record as sent, so the
+    context does not change it), names the agent from `context` when the record does not,
+    moves a top-level `request_id` to `metadata.request_id` (what feedback may refer to) and
+    unknown top-level fields into `metadata["unknown_fields"]`.
     """
-    data = dict(record)
+    data = pair_to_record(record) if is_pair(record) else dict(record)
     if isinstance(data.get("tools"), list):
         data["tools"] = [_flatten_tool(t) for t in data["tools"]]
     if is_chat_transcript(data):
@@ -187,11 +206,16 @@ def normalize(record: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(messages, list):
             raise ValueError("'messages' must be a list")
         data["items"] = chat_to_items(messages)
-        data.setdefault("metadata", {})
-        if isinstance(data["metadata"], dict):
-            data["metadata"] = {**data["metadata"], "source_format": "chat_completions"}
+        _with_metadata(data, source_format="chat_completions")
     if "trajectory_id" not in data or data["trajectory_id"] in (None, ""):
         data["trajectory_id"] = str(content_id(record))
+    agent, source = derive_agent(data.get("agent"), context)
+    data["agent"] = agent
+    if source != "record":
+        _with_metadata(data, agent_source=source)
+    request_id = data.pop("request_id", None)
+    if request_id is not None:
+        _with_metadata(data, request_id=request_id)
     unknown = {k: data.pop(k) for k in list(data) if k not in _KNOWN}
     if unknown:
         meta = data.get("metadata")
@@ -201,10 +225,11 @@ def normalize(record: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def parse_trajectory(record: Any) -> Trajectory:
+def parse_trajectory(record: Any, context: ParseContext | None = None) -> Trajectory:
     """Validate one decoded JSON value. Raises `ValueError` (incl. pydantic's) on bad input."""
     if not isinstance(record, dict):
         raise ValueError(f"a trajectory must be a JSON object, got {type(record).__name__}")
-    return Trajectory.model_validate(normalize(record))
+    return Trajectory.model_validate(normalize(record, context))
+
 
 

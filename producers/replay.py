@@ -1,4 +1,8 @@
-"""`flywheel publish`: JSONL replay through the SDK (spooling, batching, retries included)."""
+"""`flywheel publish`: JSONL replay through the SDK (spooling, batching, retries included).
+
+Each line is a trajectory in any accepted shape (v1, Chat Completions transcript,
+request/response pair), or with `feedback=True` a feedback record for the feedback topic.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +12,28 @@ from typing import Any, TextIO
 from pydantic import ValidationError
 
 from flywheel.config import Settings
+from flywheel.feedback import parse_feedback
+from flywheel.formats import ParseContext
 from flywheel.ingest.decode import describe_validation_error
 from flywheel.schemas import parse_trajectory
 
 
 async def publish_lines(settings: Settings, lines: TextIO, *, raw: bool = False,
-                        strict: bool = False, progress: bool = True,
-                        flush_timeout: float = 120) -> dict[str, Any]:
-    """Publish every line; returns {published, invalid, errors: [{line, error}], spooled}."""
+                        strict: bool = False, progress: bool = True, agent: str | None = None,
+                        feedback: bool = False, flush_timeout: float = 120) -> dict[str, Any]:
+    """Publish every line; returns {published, invalid, errors: [{line, error}], spooled}.
+
+    `agent` names the agent of trajectories that name none (`flywheel publish --agent`)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+    from producers.feedback import FeedbackClient
     from producers.sdk import FlywheelClient
 
     errors: list[dict[str, Any]] = []
     published = 0
-    client = FlywheelClient.from_settings(settings)
+    client: FlywheelClient | FeedbackClient = (FeedbackClient if feedback else FlywheelClient
+                                               ).from_settings(settings)
+    context = ParseContext(publisher_agent=agent)
     await client.start()
     bar = Progress(TextColumn("publishing"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[invalid]} invalid"), disable=not progress,
@@ -34,22 +45,23 @@ async def publish_lines(settings: Settings, lines: TextIO, *, raw: bool = False,
                 line = line.strip()
                 if not line:
                     continue
-                if raw:
-                    await client.log_raw(line.encode())
+                try:
+                    if raw:
+                        await client.log_raw(line.encode())
+                    elif isinstance(client, FeedbackClient):
+                        await client.log(parse_feedback(json.loads(line)))
+                    else:
+                        await client.log(parse_trajectory(json.loads(line), context))
                     published += 1
-                else:
-                    try:
-                        await client.log(parse_trajectory(json.loads(line)))
-                        published += 1
-                    except json.JSONDecodeError as err:
-                        errors.append({"line": number, "error": f"not valid JSON: {err}"})
-                    except ValidationError as err:
-                        errors.append({"line": number, "error": describe_validation_error(err)})
-                    except ValueError as err:
-                        errors.append({"line": number, "error": str(err)})
-                    if errors and strict:
-                        break
+                except json.JSONDecodeError as err:
+                    errors.append({"line": number, "error": f"not valid JSON: {err}"})
+                except ValidationError as err:
+                    errors.append({"line": number, "error": describe_validation_error(err)})
+                except (ValueError, TypeError) as err:
+                    errors.append({"line": number, "error": str(err)})
                 bar.update(task, advance=1, invalid=len(errors))
+                if errors and strict:
+                    break
         try:
             await client.flush(timeout=flush_timeout)
         except TimeoutError:

@@ -1,9 +1,11 @@
 """Agent SDK: publishes trajectories to `<prefix>.trajectories`, spooling to disk in outages.
 
-Owns: validating and serialising trajectories (key = trajectory_id), batching them onto the
-topic, and the spool under `spool_dir`. While the broker is unreachable records go to an
-append-only spool file; a background task reconnects every `retry_interval_s`, replays the
-spool in order, and only then sends from memory again. The next client that opens the same
+Owns: validating and serialising trajectories (key = trajectory_id; v1, Chat Completions
+transcripts and request/response pairs; `agent=` names those that name no agent), batching
+them onto the topic, and the spool under `spool_dir` (feedback: `producers.feedback`).
+While the broker is unreachable records go to an append-only spool file; a background task
+reconnects every `retry_interval_s`, replays the spool in order, and only then sends from
+memory again. The next client that opens the same
 spool (another process, after a crash) replays what is left. A record leaves the spool only
 once the broker has acked it: delivery is at least once, ingest dedupes on trajectory_id.
 """
@@ -25,6 +27,7 @@ from aiokafka import errors as kafka_errors
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_fixed
 
 from flywheel.config import Settings
+from flywheel.formats import ParseContext
 from flywheel.runtime.endpoints import resolve_bootstrap
 from flywheel.schemas import Trajectory, parse_trajectory
 from producers.spool import Record, Spool, encode
@@ -59,9 +62,9 @@ def is_retryable(exc: BaseException) -> bool:
     return isinstance(exc, kafka_errors.KafkaError) and bool(exc.retriable)
 
 
-def _validate(record: object) -> Trajectory:
+def _validate(record: object, agent: str | None = None) -> Trajectory:
     try:
-        return parse_trajectory(record)
+        return parse_trajectory(record, ParseContext(publisher_agent=agent))
     except ValueError as exc:
         errors = getattr(exc, "errors", None)  # pydantic: one line per field beats its dump
         detail = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}"
@@ -77,10 +80,12 @@ class FlywheelClient:
     `flush` know when everything logged before it has been acknowledged.
     """
 
-    def __init__(self, bootstrap: str, topic: str, *, spool_dir: Path,
+    def __init__(self, bootstrap: str, topic: str, *, spool_dir: Path, agent: str | None = None,
                  max_buffered: int = 10_000, linger_ms: int = 20, max_batch: int = 500,
                  retry_interval_s: float = 1.0, request_timeout_ms: int = 5000) -> None:
+        """`agent`: names the agent of records that name none (else `unknown`)."""
         self._bootstrap, self._topic, self._spool_dir = bootstrap, topic, spool_dir
+        self._agent = agent
         self._max_buffered, self._max_batch = max_buffered, max_batch
         self._linger, self._retry_interval = linger_ms / 1000, retry_interval_s
         self._request_timeout_ms = request_timeout_ms
@@ -145,7 +150,8 @@ class FlywheelClient:
 
     async def log(self, trajectory: Trajectory | dict[str, Any]) -> uuid.UUID:
         """Validate and enqueue one trajectory; returns its id. Raises ValueError if invalid."""
-        traj = trajectory if isinstance(trajectory, Trajectory) else _validate(trajectory)
+        traj = trajectory if isinstance(trajectory, Trajectory) else \
+            _validate(trajectory, self._agent)
         await self._enqueue(str(traj.trajectory_id).encode(),
                             traj.model_dump_json(exclude_none=True).encode())
         return traj.trajectory_id

@@ -239,3 +239,61 @@ async def test_broker_unreachable_is_503_with_retry_after(settings: Settings) ->
         r = await c.post("/v1/trajectories", json=v1(), headers=auth())
         assert r.status_code == 503
         assert r.headers["retry-after"].isdigit()
+
+
+async def _read(settings: Settings, topic: str, expected: int) -> list[tuple[bytes, bytes]]:
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=settings.kafka.bootstrap,
+                                group_id=None, auto_offset_reset="earliest",
+                                enable_auto_commit=False)
+    await consumer.start()
+    out: list[tuple[bytes, bytes]] = []
+    try:
+        deadline = asyncio.get_running_loop().time() + 20
+        while len(out) < expected and asyncio.get_running_loop().time() < deadline:
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                out += [(r.key or b"", r.value or b"") for r in records]
+    finally:
+        await consumer.stop()
+    return out
+
+
+async def test_a_token_may_name_the_agent_of_what_it_posts(gw_settings: Settings) -> None:
+    s = gw_settings.model_copy(update={"api": gw_settings.api.model_copy(update={"tokens": {
+        PUBLISH: {"scopes": ["publish"], "agent": "billing-bot"}}})})
+    transcript = {k: v for k, v in chat("s-agent").items() if k not in ("agent", "outcome")}
+    async with open_client(s) as c:
+        r = await c.post("/v1/trajectories", json=[transcript, v1()], headers=auth())
+    assert r.status_code == 202, r.text
+    seen = await consume(s, 2)
+    named = Trajectory.model_validate_json(seen[r.json()["trajectory_ids"][0].encode()])
+    own = Trajectory.model_validate_json(seen[r.json()["trajectory_ids"][1].encode()])
+    assert (named.agent, named.metadata["agent_source"], named.status) == \
+        ("billing-bot", "token", "awaiting_outcome")
+    assert own.agent == "support-bot" and "agent_source" not in own.metadata
+
+
+async def test_feedback_routes_validate_then_publish_keyed_by_target(
+        client: httpx.AsyncClient, gw_settings: Settings) -> None:
+    tid = str(uuid.uuid4())
+    url = f"/v1/trajectories/{tid}/feedback"
+    assert (await client.post(url, json={"rating": "down"})).status_code == 401
+    r = await client.post(url, json={"rating": "down", "note": "wrong order"}, headers=auth())
+    assert r.status_code == 202, r.text
+    r = await client.post("/v1/trajectories/chatcmpl-7/feedback", json={"rating": "up"},
+                          headers=auth())
+    assert r.status_code == 202, r.text
+    batch = [{"request_id": "chatcmpl-8", "outcome": {"status": "failure"}},
+             {"trajectory_id": tid, "feedback": {"expected_call": {"name": "refund"}}}]
+    r = await client.post("/v1/feedback", json={"feedback": batch}, headers=auth())
+    assert r.status_code == 202 and r.json()["accepted"] == 2, r.text
+    for body, where, why in (([{"rating": "up"}], "/v1/feedback", "names no trajectory"),
+                             ({"trajectory_id": str(uuid.uuid4()), "rating": "up"}, url,
+                              "the URL names"),
+                             ({"request_id": "r"}, "/v1/feedback", "says nothing")):
+        bad = await client.post(where, json=body, headers=auth())
+        assert bad.status_code == 422 and why in bad.json()["detail"], bad.text
+    got = await _read(gw_settings, gw_settings.topics.feedback, 4)
+    assert sorted(k for k, _ in got) == sorted([tid.encode(), b"chatcmpl-7", b"chatcmpl-8",
+                                                tid.encode()])
+    first = json.loads(got[[k for k, _ in got].index(b"chatcmpl-7")][1])
+    assert (first["request_id"], first["rating"]) == ("chatcmpl-7", "up")

@@ -43,10 +43,20 @@ async def seed_pipeline(pg_dsn: str) -> None:
     """Rows of every pipeline table the status reads, with hand-countable totals."""
     conn = await asyncpg.connect(pg_dsn)
     try:
-        for i in range(5):
+        ids = [uuid.uuid4() for _ in range(6)]
+        for i, tid in enumerate(ids):
+            status = "failure" if i < 2 else "success" if i < 5 else "awaiting_outcome"
             await conn.execute("""INSERT INTO trajectories (trajectory_id, agent, status,
-                is_failure, record) VALUES ($1, 'bot', $2, $3, '{}')""",
-                uuid.uuid4(), "failure" if i < 2 else "success", i < 2)
+                is_failure, record) VALUES ($1, 'bot', $2, $3, '{}')""", tid, status, i < 2)
+        # Feedback: a thumbs-down turned success #2 into a failure; one waits for its
+        # trajectory, one could not be applied.
+        await conn.execute("""INSERT INTO trajectory_outcomes (trajectory_id, status,
+            is_failure, feedback_count, record) VALUES ($1, 'failure', true, 1, '{}')""", ids[2])
+        for applied, error in ((ids[2], None), (None, None), (None, "broken")):
+            await conn.execute("""INSERT INTO feedback (feedback_id, request_id, record,
+                applied_to, applied_at, error) VALUES ($1, 'r', '{}', $2,
+                CASE WHEN $2::uuid IS NULL THEN NULL ELSE now() END, $3)""",
+                uuid.uuid4(), applied, error)
         for mode, status in (("wrong_tool", "task"), ("wrong_tool", "unverifiable"),
                              ("bad_arguments", "task")):
             await conn.execute("""INSERT INTO failures (trajectory_id, agent, failure_mode,
@@ -141,8 +151,13 @@ async def test_metrics_exposition_matches_the_database(
     def one(name: str, **labels: str) -> float:
         return m[name][tuple(sorted(labels.items()))]
 
-    assert one("flywheel_trajectories_ingested_total") == 5
-    assert one("flywheel_trajectories_failed_total") == 2
+    assert one("flywheel_trajectories_ingested_total") == 6
+    assert one("flywheel_trajectories_failed_total") == 3  # 2 as ingested, 1 by feedback
+    assert one("flywheel_trajectories_awaiting_outcome") == 1
+    assert one("flywheel_feedback_received_total") == 3
+    assert one("flywheel_feedback_applied_total") == 1
+    assert one("flywheel_feedback_pending") == 1
+    assert one("flywheel_feedback_parked") == 1
     assert one("flywheel_failures_mined_total", failure_mode="wrong_tool") == 2
     assert one("flywheel_failures_mined_total", failure_mode="bad_arguments") == 1
     assert one("flywheel_failures_unverifiable") == 1
@@ -175,6 +190,8 @@ async def test_metrics_exposition_matches_the_database(
     topics = settings.topics
     assert one("flywheel_consumer_lag", group="flywheel-ingest", topic=topics.trajectories) == 3
     assert one("flywheel_consumer_lag", group="flywheel-miner", topic=topics.trajectories) == 3
+    assert one("flywheel_consumer_lag", group="flywheel-miner-feedback",
+               topic=topics.feedback) == 0
     assert one("flywheel_consumer_lag", group="flywheel-trainer", topic=topics.rollouts) == 0
 
     # Prometheus 3 asks for OpenMetrics first: same families, that format.

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VOCABULARY = {"config", "events", "schemas", "tasks"}
+VOCABULARY = {"config", "events", "schemas", "tasks", "formats", "feedback"}
 LAYERS: dict[str, int] = {
     # 0: the vocabulary, the ground floor: imports nothing else of ours
     **dict.fromkeys(VOCABULARY, 0),
@@ -34,6 +34,8 @@ SAME_LAYER_ALLOWED = {
     ("gate", "rollout"),      # the gate evaluates by running rollout groups
     ("api", "gate"), ("cli", "api"), ("cli", "demo"), ("cli", "bench"), ("bench", "demo"),
     ("demo", "api"), ("api", "demo"),
+    ("schemas", "formats"),   # the wire format converts what agents log (pure dict → dict)
+    ("feedback", "schemas"), ("feedback", "formats"),  # feedback carries items, corrections
 }
 """Edges inside one layer that are the design, not an accident (every other is refused)."""
 FORBIDDEN = {("rollout", "trainer"), ("trainer", "gate"), ("gate", "trainer"),

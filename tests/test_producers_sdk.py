@@ -181,8 +181,10 @@ async def test_invalid_trajectory_is_refused_with_a_readable_error(tmp_path: Pat
     client = FlywheelClient(f"127.0.0.1:{free_port()}", new_topic(), spool_dir=tmp_path,
                             retry_interval_s=0.2, request_timeout_ms=1000)
     async with client:
-        with pytest.raises(ValueError, match=r"invalid trajectory: agent: Field required"):
-            await client.log({"outcome": {"status": "success"}})
+        with pytest.raises(ValueError, match=r"invalid trajectory: agent: String should have"):
+            await client.log({"agent": "", "outcome": {"status": "success"}})
+        with pytest.raises(ValueError, match=r"needs what the agent did"):
+            await client.log({"model": "gpt-4o"})  # no items, messages, pair or outcome
         with pytest.raises(ValueError, match=r"outcome\.status: Input should be"):
             await client.log(trajectory(outcome={"status": "meh"}))
         with pytest.raises(ValueError, match="must be a JSON object"):

@@ -36,7 +36,10 @@ def test_up_publish_status_down(services_dir: Path) -> None:
     up = _cli(env, "up", "--detach")
     try:
         assert up.returncode == 0, up.stderr
+        # The real home, absolute: with two stacks side by side the user sees which is which.
+        assert f"FLYWHEEL_HOME={home.resolve()}\n" in up.stderr
         run = json.loads((home / "run.json").read_text())
+        assert run["home"] == str(home.resolve())
         assert {"kafka_bootstrap", "database_url", "api_url", "topics"} <= set(run)
         assert run["topics"]["trajectories"] == "flywheel.trajectories"
         assert run["kafka_bootstrap"].endswith(f":{ports['kafka']}")
@@ -53,7 +56,7 @@ def test_up_publish_status_down(services_dir: Path) -> None:
         more = [make_trajectory(rng, chat_format=True) for _ in range(20)]
         jsonl.write_text("\n".join(json.dumps(t) for t in more) + "\n{broken\n")
         pub = _cli(env, "publish", str(jsonl), "--json")
-        assert pub.returncode == 0, pub.stderr
+        assert pub.returncode == 1, pub.stderr  # an invalid line: the exit status says so
         report = json.loads(pub.stdout)
         assert (report["published"], report["invalid"]) == (20, 1)
         assert report["errors"][0]["line"] == 21

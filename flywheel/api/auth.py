@@ -1,9 +1,11 @@
 """Bearer-token auth with scopes (`publish`, `operate`) for the HTTP API.
 
 Tokens and their scopes come from `settings.api.tokens` (the app keeps `Settings` on
-`app.state`). A route asks for a scope with `principal: Principal = require_scope("publish")`;
-the returned `Principal` identifies the caller by a token fingerprint, never the token itself,
-so it is safe to log for auditing.
+`app.state`): a list of scopes, or `{"scopes": [...], "agent": "…"}` for a token that also
+names the agent of the records it publishes (`Principal.agent`). A route asks for a scope
+with `principal: Principal = require_scope("publish")`; the returned `Principal` identifies
+the caller by a token fingerprint, never the token itself, so it is safe to log for
+auditing.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from flywheel.api.app import settings_of
-from flywheel.config import Scope
+from flywheel.config import Scope, TokenGrant
 
 # auto_error=False: we answer missing credentials ourselves with 401 + a message that says
 # where tokens come from. HTTPBearer is still used so the OpenAPI spec declares the scheme.
@@ -35,13 +37,26 @@ class Principal:
     fingerprint: str
     """First 8 hex digits of the token's sha256: identifies the caller in logs and audits."""
     scopes: frozenset[Scope]
+    agent: str | None = None
+    """The agent configured for the token: names records that do not name their own."""
+
+
+def grant(value: list[Scope] | TokenGrant | dict[str, Any]) -> TokenGrant:
+    """A token's configuration in its full form (`["publish"]` is `{"scopes": ["publish"]}`);
+    a plain dict is what a copied `Settings` or a hand-written tokens file may hold."""
+    if isinstance(value, TokenGrant):
+        return value
+    if isinstance(value, dict):
+        return TokenGrant.model_validate(value)
+    return TokenGrant(scopes=value)
 
 
 def fingerprint(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()[:8]
 
 
-def authenticate(presented: str, tokens: dict[str, list[Scope]]) -> Principal | None:
+def authenticate(presented: str, tokens: dict[str, list[Scope] | TokenGrant]
+                 ) -> Principal | None:
     """The principal of `presented`, or None when it matches no configured token.
 
     Compares against every token, in constant time per token, without stopping at a match:
@@ -50,9 +65,10 @@ def authenticate(presented: str, tokens: dict[str, list[Scope]]) -> Principal | 
     """
     digest = hashlib.sha256(presented.encode()).digest()
     found: Principal | None = None
-    for token, scopes in tokens.items():
+    for token, value in tokens.items():
         if hmac.compare_digest(digest, hashlib.sha256(token.encode()).digest()):
-            found = Principal(fingerprint(token), frozenset(scopes))
+            g = grant(value)
+            found = Principal(fingerprint(token), frozenset(g.scopes), g.agent)
     return found
 
 

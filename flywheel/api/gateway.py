@@ -4,7 +4,9 @@ Publishes to `settings.topics.trajectories` (key = trajectory_id, value = the v1
 nothing. Needs a token with the `publish` scope.
 
 The body is one trajectory, a JSON array of them, or `{"trajectories": [...]}`; each may be
-v1 or an OpenAI Chat Completions transcript, and gets a content-derived id when it has none.
+v1, an OpenAI Chat Completions transcript or a request/response pair, gets a content-derived
+id when it has none, and is named by the token's agent when it names none
+(`FLYWHEEL_API__TOKENS='{"tok": {"scopes": ["publish"], "agent": "support-bot"}}'`).
 The whole request is validated before anything is sent: one bad record rejects the request
 and nothing is published. 202 is answered only after the broker acknowledged every record
 (acks=all). If the broker fails midway some records may already be on the topic; the client
@@ -31,6 +33,7 @@ from pydantic import BaseModel, ValidationError
 from flywheel.api.app import create_app, settings_of
 from flywheel.api.auth import Principal, require_scope
 from flywheel.config import Settings
+from flywheel.formats import ParseContext
 from flywheel.runtime.endpoints import resolve_bootstrap
 from flywheel.schemas import Trajectory, parse_trajectory
 
@@ -41,7 +44,8 @@ RETRY_AFTER_S = 5
 PUBLISH_TIMEOUT_MS = 10_000
 """Longest wait for broker metadata or an ack: beyond it the client gets 503, not a hang."""
 _BODY_DOC = ("One trajectory, a JSON array of them, or {\"trajectories\": [...]}; each in v1"
-             " format or an OpenAI Chat Completions transcript (`messages`).")
+             " format, an OpenAI Chat Completions transcript (`messages`) or a request/"
+             "response pair (`request`, `response`).")
 _REPORTED_RECORDS = 10  # a 422 lists this many bad records, then counts the rest
 _ERRORS_PER_RECORD = 3
 # Kafka's record framing (key, headers, batch header) on top of the value: the producer's
@@ -82,9 +86,9 @@ def _path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def describe_record_error(index: int, err: Exception) -> str:
+def describe_record_error(index: int, err: Exception, *, label: str = "trajectories") -> str:
     """`trajectories[3].outcome.status: Input should be …` (the style of ingest's DLQ errors)."""
-    where = f"trajectories[{index}]"
+    where = f"{label}[{index}]"
     if not isinstance(err, ValidationError):
         return f"{where}: {err}"
     errors = err.errors()
@@ -109,15 +113,17 @@ def split_records(doc: Any) -> list[Any]:
     return [doc]
 
 
-def prepare(body: bytes, *, max_payload_bytes: int) -> list[Prepared]:
+def prepare(body: bytes, *, max_payload_bytes: int,
+            context: ParseContext | None = None) -> list[Prepared]:
     """Decode and validate a request body; all records are good, or `Rejection` is raised."""
     try:
-        return _prepare(body, max_payload_bytes=max_payload_bytes)
+        return _prepare(body, max_payload_bytes=max_payload_bytes, context=context)
     except RecursionError:
         raise Rejection(400, "the body is nested too deeply to be a trajectory") from None
 
 
-def _prepare(body: bytes, *, max_payload_bytes: int) -> list[Prepared]:
+def _prepare(body: bytes, *, max_payload_bytes: int,
+             context: ParseContext | None) -> list[Prepared]:
     if b"\\u0000" in body:
         raise Rejection(422, "the body contains a NUL character (\\u0000), which cannot be "
                              "stored; remove it")
@@ -134,7 +140,7 @@ def _prepare(body: bytes, *, max_payload_bytes: int) -> list[Prepared]:
     too_large: list[str] = []
     for i, record in enumerate(records):
         try:
-            t = parse_trajectory(record)
+            t = parse_trajectory(record, context)
         # TypeError: normalize() meets a wrongly typed field (e.g. metadata.unknown_fields).
         except (ValueError, TypeError) as err:
             invalid.append(describe_record_error(i, err))
@@ -213,11 +219,10 @@ class Publisher:
                 self._producer = producer
             return self._producer
 
-    async def publish(self, topic: str, records: list[Prepared]) -> None:
-        """Send every record, then wait for all acks; raises KafkaError if any failed."""
+    async def publish(self, topic: str, records: list[tuple[bytes, bytes]]) -> None:
+        """Send every (key, value), then wait for all acks; raises KafkaError if any failed."""
         producer = await self.producer()
-        futures = [await producer.send(topic, r.value, key=str(r.trajectory.trajectory_id).encode())
-                   for r in records]
+        futures = [await producer.send(topic, value, key=key) for key, value in records]
         await asyncio.gather(*futures)
 
     async def stop(self) -> None:
@@ -243,12 +248,27 @@ async def gateway_lifespan(app: FastAPI) -> AsyncIterator[None]:
         await publisher.stop()
 
 
-def _publisher(request: Request) -> Publisher:
+def publisher_of(request: Request) -> Publisher:
     publisher: Publisher | None = getattr(request.app.state, "gateway_publisher", None)
     if publisher is None:
         raise RuntimeError("the gateway's producer is not running: create the app with"
                            " lifespan_hooks=[gateway_lifespan] and run its lifespan")
     return publisher
+
+
+async def publish_or_503(request: Request, topic: str, records: list[tuple[bytes, bytes]], *,
+                         what: str, dedupe: str) -> None:
+    """Publish, or answer 503 with Retry-After when the broker does not take them."""
+    try:
+        await publisher_of(request).publish(topic, records)
+    except (KafkaError, OSError, TimeoutError) as err:
+        log.warning("gateway: publishing %d %s to %s failed: %r", len(records), what, topic,
+                    err)
+        raise HTTPException(
+            status.HTTP_503_SERVICE_UNAVAILABLE,
+            f"the broker did not accept the {what} ({type(err).__name__}: {err}); retry the"
+            f" same request in {RETRY_AFTER_S}s (re-sending is safe: {dedupe})",
+            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
 
 
 def gateway_router() -> APIRouter:
@@ -269,21 +289,14 @@ def gateway_router() -> APIRouter:
         try:
             # Off the event loop: validating megabytes of JSON would stall every other request.
             records = await asyncio.to_thread(
-                prepare, body, max_payload_bytes=settings.ingest.max_payload_bytes)
+                prepare, body, max_payload_bytes=settings.ingest.max_payload_bytes,
+                context=ParseContext(token_agent=principal.agent))
         except Rejection as rej:
             raise HTTPException(rej.status_code, rej.detail) from None
         topic = settings.topics.trajectories
-        try:
-            await _publisher(request).publish(topic, records)
-        except (KafkaError, OSError, TimeoutError) as err:
-            log.warning("gateway: publishing %d trajectories to %s failed: %r",
-                        len(records), topic, err)
-            raise HTTPException(
-                status.HTTP_503_SERVICE_UNAVAILABLE,
-                f"the broker did not accept the trajectories ({type(err).__name__}: {err});"
-                f" retry the same request in {RETRY_AFTER_S}s (re-sending is safe: ingest"
-                " dedupes on trajectory_id)",
-                headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        await publish_or_503(request, topic, [
+            (str(r.trajectory.trajectory_id).encode(), r.value) for r in records],
+            what="trajectories", dedupe="ingest dedupes on trajectory_id")
         ids = [str(r.trajectory.trajectory_id) for r in records]
         log.info("gateway: token %s published %d trajectories to %s",
                  principal.fingerprint, len(ids), topic)
@@ -293,5 +306,8 @@ def gateway_router() -> APIRouter:
 
 
 def create_gateway_app(settings: Settings) -> FastAPI:
-    """An API app serving only the gateway (plus `/healthz`)."""
-    return create_app(settings, routers=[gateway_router()], lifespan_hooks=[gateway_lifespan])
+    """An API app serving only the gateway and its feedback routes (plus `/healthz`)."""
+    from flywheel.api.feedback import feedback_router
+
+    return create_app(settings, routers=[gateway_router(), feedback_router()],
+                      lifespan_hooks=[gateway_lifespan])

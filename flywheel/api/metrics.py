@@ -91,8 +91,18 @@ def families(snap: dict[str, Any], lag: dict[str, dict[str, Any]], lag_error: st
     # Ingest and mining.
     counter("flywheel_trajectories_ingested", "Trajectories stored by ingest.",
             snap["trajectories"])
-    counter("flywheel_trajectories_failed", "Ingested trajectories whose outcome is a failure.",
-            snap["failures"])
+    counter("flywheel_trajectories_failed", "Ingested trajectories whose outcome (with "
+            "feedback applied) is a failure.", snap["failures"])
+    gauge("flywheel_trajectories_awaiting_outcome", "Stored trajectories with no outcome yet "
+          "(neither success nor failure until feedback says which).", snap["awaiting_outcome"])
+    counter("flywheel_feedback_received", "Feedback records stored (outcomes, ratings, "
+            "corrections that arrived after their trajectory).", snap["feedback"])
+    counter("flywheel_feedback_applied", "Feedback applied to its stored trajectory.",
+            snap["feedback_applied"])
+    gauge("flywheel_feedback_pending", "Feedback waiting for its trajectory to be stored.",
+          snap["feedback_pending"])
+    gauge("flywheel_feedback_parked", "Feedback that could not be applied (see status).",
+          snap["feedback_parked"])
     labelled(CounterMetricFamily, "flywheel_failures_mined",
              "Failed trajectories classified by the miner, by failure mode.", "failure_mode",
              snap["failure_modes"].items())

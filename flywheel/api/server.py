@@ -15,13 +15,14 @@ def build_app(settings: Settings) -> FastAPI:
     """The API as `flywheel up` serves it (tests build the same app)."""
     from flywheel.api.app import create_app
     from flywheel.api.dashboard import dashboard_router
+    from flywheel.api.feedback import feedback_router
     from flywheel.api.gateway import gateway_lifespan, gateway_router
     from flywheel.api.metrics import metrics_router
     from flywheel.api.operator import operator_lifespan, operator_router
 
     return create_app(settings,
-                      routers=[gateway_router(), operator_router(), metrics_router(),
-                               dashboard_router()],
+                      routers=[gateway_router(), feedback_router(), operator_router(),
+                               metrics_router(), dashboard_router()],
                       lifespan_hooks=[gateway_lifespan, operator_lifespan])
 
 

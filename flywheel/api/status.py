@@ -24,7 +24,17 @@ from flywheel.runtime.kafka import group_lag
 
 _COUNTS = text("""
 SELECT (SELECT count(*) FROM trajectories)                          AS trajectories,
-       (SELECT count(*) FROM trajectories WHERE is_failure)         AS failures,
+       (SELECT count(*) FROM trajectories t
+          LEFT JOIN trajectory_outcomes o USING (trajectory_id)
+         WHERE coalesce(o.is_failure, t.is_failure))                AS failures,
+       (SELECT count(*) FROM trajectories t
+          LEFT JOIN trajectory_outcomes o USING (trajectory_id)
+         WHERE coalesce(o.status, t.status) = 'awaiting_outcome')   AS awaiting_outcome,
+       (SELECT count(*) FROM feedback)                              AS feedback,
+       (SELECT count(*) FROM feedback WHERE applied_at IS NOT NULL) AS feedback_applied,
+       (SELECT count(*) FROM feedback
+         WHERE applied_at IS NULL AND error IS NULL)                AS feedback_pending,
+       (SELECT count(*) FROM feedback WHERE error IS NOT NULL)      AS feedback_parked,
        (SELECT count(*) FROM dead_letters)                          AS dlq,
        (SELECT count(*) FROM outbox WHERE published_at IS NULL AND error IS NULL)
                                                                     AS outbox_pending,
@@ -102,6 +112,7 @@ def consumer_groups(settings: Settings) -> list[tuple[str, str]]:
     topics = settings.topics
     return [(settings.ingest.group_id, topics.trajectories),
             (settings.miner.group_id, topics.trajectories),
+            (settings.miner.feedback_group_id, topics.feedback),
             (settings.rollout.group_id, topics.rollout_requests),
             (settings.trainer.group_id, topics.rollouts),
             (settings.gate.group_id, topics.adapters)]
@@ -140,7 +151,10 @@ async def lag_or_error(settings: Settings) -> tuple[dict[str, dict[str, Any]], s
 
 
 async def collect(settings: Settings) -> dict[str, Any]:
-    """`flywheel status --json`. Stable keys: trajectories, failures, dlq, dlq_by_reason,
+    """`flywheel status --json`. Stable keys: trajectories, failures (with feedback applied),
+    awaiting_outcome (stored without an outcome, none from feedback yet), feedback,
+    feedback_applied, feedback_pending (its trajectory not stored yet), feedback_parked,
+    dlq, dlq_by_reason,
     outbox_pending, outbox_parked, events, tasks, tasks_holdout, tasks_by_split,
     unverifiable, evalset_version, groups, groups_trainable, groups_backlog,
     groups_stale_dropped, rollouts_not_run, requests_outstanding, tasks_retired,

@@ -56,7 +56,7 @@ async def _produce(bootstrap: str, topic: str, values: list[tuple[bytes, bytes]]
 
 
 def _row(t: Trajectory) -> tuple[Any, ...]:
-    return (t.trajectory_id, t.agent, t.session_id, t.outcome.status, t.is_failure, t.model,
+    return (t.trajectory_id, t.agent, t.session_id, t.status, t.is_failure, t.model,
             t.adapter_version, t.started_at, t.ended_at, "bench", 0, 0,
             t.model_dump_json(exclude_none=True))
 

@@ -32,11 +32,13 @@ from flywheel.cli.common import (  # noqa: E402
     print_result,
     uuid_arg,
 )
+from flywheel.cli.publish import publish  # noqa: E402
 from flywheel.cli.review import adapters_app, promotions_app, replay  # noqa: E402
 
 app.add_typer(promotions_app, name="promotions")
 app.add_typer(adapters_app, name="adapters")
 app.command()(replay)
+app.command()(publish)
 app.command()(baseline)
 
 
@@ -55,7 +57,7 @@ def up(detach: Annotated[bool, typer.Option("--detach", "-d",
         except RuntimeError as err:
             _fail(str(err))
             return
-        _print_run(run)
+        _print_run(run, settings.home)
         return
     import logging
 
@@ -63,15 +65,19 @@ def up(detach: Annotated[bool, typer.Option("--detach", "-d",
     Stack(settings).run()
 
 
-def _print_run(run: dict[str, Any]) -> None:
+def _print_run(run: dict[str, Any], home: Path) -> None:
+    home = Path(run.get("home") or home).resolve()  # what the running supervisor uses
     console.print("[green]flywheel is up[/green]")
+    # soft_wrap: a long path is printed whole, never folded, so it can be copied.
+    console.print(f"  home      FLYWHEEL_HOME={home}", soft_wrap=True)
     console.print(f"  kafka     {run['kafka_bootstrap']}")
     console.print(f"  postgres  {run['database_url']}")
     console.print(f"  api       {run['api_url']}")
     if run.get("dashboard_url"):
         console.print(f"  dashboard {run['dashboard_url']}")
     console.print(f"  logs      {run['logs']}")
-    console.print("  tokens    in .flywheel/run.json (publish / operate)")
+    console.print(f"  tokens    in {home / 'run.json'} (publish / operate)",
+                  soft_wrap=True)
 
 
 @app.command()
@@ -114,45 +120,12 @@ def status(as_json: JsonOpt = False) -> None:
     from rich.table import Table
 
     table = Table(title="flywheel status", show_header=False)
-    for key in ("trajectories", "failures", "dlq", "outbox_pending", "events"):
+    for key in ("trajectories", "failures", "awaiting_outcome", "feedback_pending", "dlq",
+                "outbox_pending", "events"):
         table.add_row(key, str(data[key]))
     for group, lag in data["lag"].items():
         table.add_row(f"lag {group}", str(lag["total"]))
     Console().print(table)
-
-
-@app.command()
-def publish(
-    file: Annotated[str, typer.Argument(help="JSONL file of trajectories, or - for stdin.")],
-    raw: Annotated[bool, typer.Option(help="Send lines as they are; ingest validates and "
-                                      "dead-letters bad ones.")] = False,
-    strict: Annotated[bool, typer.Option(help="Stop at the first invalid line.")] = False,
-    as_json: JsonOpt = False,
-) -> None:
-    """Publish trajectories (flywheel v1 or Chat Completions, auto-detected per line)."""
-    from flywheel.runtime.endpoints import StackNotRunning
-    from producers.replay import publish_lines
-
-    if file != "-" and not Path(file).exists():
-        _fail(f"no such file: {file}")
-    stream = sys.stdin if file == "-" else open(file, encoding="utf-8")
-    try:
-        report = asyncio.run(publish_lines(_settings(), stream, raw=raw, strict=strict,
-                                           progress=not as_json))
-    except StackNotRunning as exc:
-        _fail(str(exc))
-        return
-    finally:
-        if stream is not sys.stdin:
-            stream.close()
-    if as_json:
-        print(json.dumps(report, sort_keys=True))
-    else:
-        console.print(f"published {report['published']}, invalid {report['invalid']}")
-        for problem in report["errors"][:10]:
-            console.print(f"  line {problem['line']}: {problem['error']}")
-    if report["invalid"] and strict:
-        raise typer.Exit(1)
 
 
 @bench_app.command("ingest")

@@ -60,6 +60,8 @@ class TrajectoryRow(Base):
     __table_args__ = (
         Index("ix_trajectories_agent_session", "agent", "session_id"),
         Index("ix_trajectories_failures", "ingested_at", postgresql_where=text("is_failure")),
+        # Feedback may name a trajectory by the request's id (e.g. the response's `id`).
+        Index("ix_trajectories_request_id", text("((record -> 'metadata') ->> 'request_id')")),
     )
 
 
@@ -147,6 +149,46 @@ class FailureRow(Base):
         Index("ix_failures_session_request", "session_id", "request_key"),
         Index("ix_failures_status", "status"),
     )
+
+
+class FeedbackRow(Base):
+    """Feedback as received, in arrival order; `applied_to` once it met its trajectory."""
+
+    __tablename__ = "feedback"
+
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    feedback_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), unique=True)
+    trajectory_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+    """The trajectory it names (or NULL: it names the request instead)."""
+    request_id: Mapped[str | None] = mapped_column(Text)
+    record: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    received_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now())
+    applied_to: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+    applied_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    error: Mapped[str | None] = mapped_column(Text)
+    """Why applying it failed for good (parked, shown in status); NULL otherwise."""
+
+    __table_args__ = (
+        Index("ix_feedback_pending", "seq",
+              postgresql_where=text("applied_at IS NULL AND error IS NULL")),
+        Index("ix_feedback_applied_to", "applied_to"),
+    )
+
+
+class TrajectoryOutcomeRow(Base):
+    """Projection of the feedback log: a trajectory with its feedback applied. No row: the
+    trajectory stands as ingested."""
+
+    __tablename__ = "trajectory_outcomes"
+
+    trajectory_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    status: Mapped[str] = mapped_column(Text)
+    is_failure: Mapped[bool] = mapped_column(Boolean)
+    feedback_count: Mapped[int] = mapped_column(Integer)
+    record: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now())
 
 
 class SessionSuccessRow(Base):

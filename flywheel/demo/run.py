@@ -46,7 +46,9 @@ async def _publish(settings: Settings, run: dict[str, Any], rng: random.Random) 
         await client.flush(timeout=60)
     console.print(f"SDK: published {SDK_TRAJECTORIES} trajectories and {BAD_PAYLOADS} bad payloads")
 
-    token = next(t for t, scopes in run["tokens"].items() if "publish" in scopes)
+    # A token's value is its scopes, or {"scopes": [...], "agent": …} (config.TokenGrant).
+    token = next(t for t, grant in run["tokens"].items()
+                 if "publish" in (grant if isinstance(grant, list) else grant.get("scopes", [])))
     batch = records[SDK_TRAJECTORIES:]
     async with httpx.AsyncClient(base_url=run["api_url"], timeout=30) as http:
         r = await http.post("/v1/trajectories", json=batch,

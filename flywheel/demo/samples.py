@@ -111,7 +111,7 @@ def bad_payloads(rng: random.Random, n: int, *, max_bytes: int = 1_048_576) -> l
             out.append(json.dumps(t).encode())
         elif kind == 2:
             t = make_trajectory(rng)
-            del t["agent"]
+            t["agent"] = ""  # an agent may be left out (then derived), never empty
             out.append(json.dumps(t).encode())
         elif kind == 3:
             t = make_trajectory(rng)

@@ -1,6 +1,8 @@
 """Ingest logic with no I/O: raw Kafka records → trajectory rows and dead letters.
 
-Accepts the v1 format and Chat Completions transcripts on the same topic. Three tiers, each
+Accepts the v1 format, Chat Completions transcripts and request/response pairs on the same
+topic; a record without an agent is named from the message's `flywheel-agent` header
+(`RawRecord.headers`), else `unknown`. Three tiers, each
 a fallback for the one before: the msgspec fast path (`flywheel.ingest.fastpath`, canonical v1 only,
 no pydantic object), pydantic straight from bytes (still canonical v1), and the general path
 (decode, normalize, validate) which also produces the readable error for the DLQ.
@@ -23,6 +25,7 @@ from flywheel.events import (
     TrajectoriesIngestedPayload,
     derived_event_id,
 )
+from flywheel.formats import ParseContext, header_agent
 from flywheel.ingest.fastpath import RowData, cannot_be_canonical, fast_decode
 from flywheel.schemas import Trajectory, parse_trajectory
 
@@ -38,6 +41,12 @@ class RawRecord:
     offset: int
     key: bytes | None
     value: bytes
+    headers: tuple[tuple[str, bytes], ...] = ()
+
+    @property
+    def context(self) -> ParseContext:
+        """What the message says about a record that leaves fields out (its agent)."""
+        return ParseContext(header_agent=header_agent(self.headers))
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +75,12 @@ def describe_validation_error(err: ValidationError, limit: int = 5) -> str:
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
-def decode(value: bytes, *, max_bytes: int) -> Trajectory | tuple[Reason, str]:
+def decode(value: bytes, *, max_bytes: int, context: ParseContext | None = None
+           ) -> Trajectory | tuple[Reason, str]:
     """One payload → a trajectory, or (reason, error) saying why it cannot be accepted."""
     if len(value) > max_bytes:
         return _too_large(value, max_bytes)
-    result, _ = _validate(value)
+    result, _ = _validate(value, context)
     return result
 
 
@@ -78,7 +88,8 @@ def _too_large(value: bytes, max_bytes: int) -> tuple[Reason, str]:
     return "too_large", f"payload is {len(value)} bytes; the limit is {max_bytes}"
 
 
-def _validate(value: bytes) -> tuple[Trajectory | tuple[Reason, str], bool]:
+def _validate(value: bytes, context: ParseContext | None = None
+              ) -> tuple[Trajectory | tuple[Reason, str], bool]:
     """The pydantic tiers; the flag says the payload was canonical (validated as-is)."""
     if not cannot_be_canonical(value):
         try:
@@ -92,7 +103,7 @@ def _validate(value: bytes) -> tuple[Trajectory | tuple[Reason, str], bool]:
     except RecursionError:  # bad input, not a crash: it would be redelivered forever
         return ("not_json", _TOO_DEEP), False
     try:
-        return parse_trajectory(record), False
+        return parse_trajectory(record, context), False
     except ValidationError as err:
         return ("schema", describe_validation_error(err)), False
     except ValueError as err:
@@ -129,7 +140,7 @@ def _classify_one(rec: RawRecord, max_bytes: int) -> Accepted | Rejected:
     row = fast_decode(value)
     if row is not None:
         return Accepted(rec, row, value.decode())
-    result, canonical = _validate(value)
+    result, canonical = _validate(value, rec.context)
     if not isinstance(result, Trajectory):
         return Rejected(rec, *result)
     if canonical:

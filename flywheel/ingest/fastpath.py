@@ -26,7 +26,13 @@ from typing import Annotated, Literal
 import msgspec
 from pydantic import TypeAdapter, ValidationError
 
-from flywheel.schemas import CallStatus, OutcomeStatus, Trajectory
+from flywheel.schemas import (
+    AWAITING_OUTCOME,
+    CallStatus,
+    OutcomeStatus,
+    Trajectory,
+    TrajectoryStatus,
+)
 
 # pydantic's JSON parser (jiter) refuses documents nested deeper than this (it accepts 201
 # levels today; one less keeps us on the safe side) and integers longer than CPython's
@@ -52,7 +58,7 @@ class RowData(msgspec.Struct, frozen=True, gc=False):
     trajectory_id: uuid.UUID
     agent: str
     session_id: str | None
-    status: OutcomeStatus
+    status: TrajectoryStatus
     is_failure: bool
     model: str | None
     adapter_version: str | None
@@ -61,7 +67,7 @@ class RowData(msgspec.Struct, frozen=True, gc=False):
 
     @classmethod
     def of(cls, t: Trajectory) -> RowData:
-        return cls(t.trajectory_id, t.agent, t.session_id, t.outcome.status, t.is_failure,
+        return cls(t.trajectory_id, t.agent, t.session_id, t.status, t.is_failure,
                    t.model, t.adapter_version, t.started_at, t.ended_at)
 
 
@@ -135,7 +141,7 @@ class FastTrajectory(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, g
     ended_at: str | None = None
     tools: list[Tool] = msgspec.field(default_factory=list)
     items: list[Item] = msgspec.field(default_factory=list)
-    outcome: Outcome
+    outcome: Outcome | None = None
     metadata: dict[str, Json] = msgspec.field(default_factory=dict)
     usage: Usage | None = None
     latency_ms: NonNegativeFloat | None = None
@@ -169,9 +175,12 @@ def fast_decode(value: bytes) -> RowData | None:
         ended = None if t.ended_at is None else _DATETIME.validate_python(t.ended_at)
     except ValidationError:
         return None
-    status = t.outcome.status
-    return RowData(t.trajectory_id, t.agent, t.session_id, status, status != "success",
-                   t.model, t.adapter_version, started, ended)
+    if t.outcome is None and not t.items:
+        return None  # pydantic refuses it (nothing done, no outcome) and says why
+    status = t.outcome.status if t.outcome is not None else AWAITING_OUTCOME
+    return RowData(t.trajectory_id, t.agent, t.session_id, status,
+                   status not in ("success", AWAITING_OUTCOME), t.model, t.adapter_version,
+                   started, ended)
 
 
 def cannot_be_canonical(value: bytes) -> bool:

@@ -22,7 +22,7 @@ from typing import Any
 
 from flywheel.environments.calls import Call
 from flywheel.environments.scoring import verify_calls
-from flywheel.mining.classify import Classification
+from flywheel.mining.classify import Classification, decision_start
 from flywheel.mining.expected import Expected, call_turns, expected_actions, expected_calls
 from flywheel.schemas import (
     FunctionCallItem,
@@ -146,7 +146,9 @@ def _tool_call_turn(t: Trajectory, c: Classification, found: Expected,
                     ) -> tuple[list[dict[str, Any]], ToolCallSpec] | Unverifiable:
     """The context before the failing turn and the calls expected for it (module doc)."""
     turns = call_turns(t.items)
-    j = next((n for n, turn in enumerate(turns) if c.step in turn), 0)
+    start = decision_start(t)
+    first = next((n for n, turn in enumerate(turns) if turn[0] >= start), len(turns))
+    j = next((n for n, turn in enumerate(turns) if c.step in turn), first)
     if found.explicit:
         want = list(found.turns[j]) if j < len(found.turns) else []
     else:
@@ -157,7 +159,8 @@ def _tool_call_turn(t: Trajectory, c: Classification, found: Expected,
     broken = _self_check(verifier, tools)
     if broken:
         return Unverifiable(broken)
-    return to_messages(t.items[:turns[j][0] if j < len(turns) else _first_action(t)]), verifier
+    end = turns[j][0] if j < len(turns) else max(_first_action(t), start)
+    return to_messages(t.items[:end]), verifier
 
 
 def _self_check(verifier: ToolCallSpec, tools: list[dict[str, Any]]) -> str | None:

@@ -58,6 +58,16 @@ class _Tools:
         return bool(tool is not None and (tool.model_extra or {}).get("x-unsafe"))
 
 
+def decision_start(t: Trajectory) -> int:
+    """Index of the first item under judgement: the answer of a request/response pair (what
+    precedes it is the request's context, judged with the earlier calls that made it), else
+    0 (the whole trajectory)."""
+    start = t.metadata.get("response_index")
+    if t.metadata.get("source_format") == "request_response" and isinstance(start, int):
+        return max(0, min(start, len(t.items)))
+    return 0
+
+
 def parse_arguments(raw: str) -> dict[str, Any] | None:
     try:
         value = json.loads(raw) if raw.strip() else {}
@@ -107,17 +117,28 @@ def _disagreement(unused: list[ExpectedCall], name: str, args: dict[str, Any],
 
 def classify_failure(t: Trajectory, expected: list[ExpectedCall] | None = None,
                      labeller: Labeller | None = None) -> Classification:
-    """Why did this (failed) trajectory fail? `expected`: the known right calls, if any."""
+    """Why did this (failed) trajectory fail? `expected`: the known right calls, if any.
+
+    Calls before `decision_start` (a pair's request context) are not judged; they only use
+    up their expected counterparts."""
+    if t.outcome is None:
+        raise ValueError(f"trajectory {t.trajectory_id} has no outcome yet: nothing to classify")
     if t.outcome.status == "timeout":
         return Classification("timeout", {"outcome": "timeout", "error": t.outcome.error}, None)
     if t.outcome.status == "escalated":
         return Classification("escalated", {"outcome": "escalated",
                                             "feedback": t.outcome.feedback}, None)
+    start = decision_start(t)
     tools = _Tools.of(t)
     outputs = {i.call_id: i for i in t.items if isinstance(i, FunctionCallOutputItem)}
     calls = [(n, i) for n, i in enumerate(t.items) if isinstance(i, FunctionCallItem)]
     unused = list(expected) if expected is not None else None
     for step, call in calls:
+        if step < start:
+            same = next((c for c in unused or () if c.name == call.name), None)
+            if unused and same is not None:
+                unused.remove(same)
+            continue
         ev: dict[str, Any] = {"call_id": call.call_id, "tool": call.name}
         if call.name not in tools.by_name:
             return Classification("hallucinated_tool", {**ev, "offered": sorted(tools.by_name)},

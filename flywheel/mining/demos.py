@@ -130,7 +130,7 @@ def demonstration_from_task(task: TaskSpec, source: uuid.UUID) -> Demonstration 
 
 def success_task(t: Trajectory) -> TaskSpec | None:
     """The task the miner would build had this success's first call been the failing one."""
-    if t.is_failure or environment_name(t) != "tool_call" or not t.tools:
+    if not t.is_success or environment_name(t) != "tool_call" or not t.tools:
         return None
     first = next(((n, i) for n, i in enumerate(t.items) if isinstance(i, FunctionCallItem)),
                  None)
@@ -193,7 +193,9 @@ _SUCCESSES = text("""
 SELECT DISTINCT ON (trajectory_id) trajectory_id, record FROM (
   SELECT trajectory_id, record FROM session_successes
   UNION ALL
-  SELECT trajectory_id, record FROM trajectories WHERE NOT is_failure) u
+  SELECT t.trajectory_id, coalesce(o.record, t.record) FROM trajectories t
+  LEFT JOIN trajectory_outcomes o USING (trajectory_id)
+  WHERE coalesce(o.status, t.status) = 'success') u
 ORDER BY trajectory_id""")
 
 

@@ -5,6 +5,8 @@ structured feedback (`outcome.feedback`, a JSON string or an object: `{"expected
 {…}}` or `{"expected_calls": [{…}, …]}`, each call an `ExpectedCall`, so with
 `alternatives` and `optional` if need be), or a later successful retry of the same request
 in the same session. A failure with no such evidence has no expected action — never guessed.
+A later record that continues the failed one (the next request/response pair of the same
+conversation, holding the failed answer in its history) is not a retry (`same_episode`).
 
 A *turn* is the consecutive calls before the next tool result or message: the calls one
 assistant message makes (parallel calls). A retry, or a correction that lists tool results
@@ -23,7 +25,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from flywheel.mining.classify import parse_arguments
-from flywheel.schemas import FunctionCallItem, Trajectory
+from flywheel.schemas import FunctionCallItem, MessageItem, Trajectory
 from flywheel.tasks import ExpectedCall
 
 
@@ -102,6 +104,8 @@ def _decoded(call: object) -> object:
 
 def expected_actions(t: Trajectory, retry: Trajectory | None = None) -> Expected | None:
     """The expected calls of failed trajectory `t` and where they came from, or None."""
+    if t.outcome is None:
+        return None
     hi = t.outcome.human_intervention
     if hi is not None and any(isinstance(i, FunctionCallItem) for i in hi.corrected_items):
         turns = turns_of(hi.corrected_items)
@@ -111,7 +115,7 @@ def expected_actions(t: Trajectory, retry: Trajectory | None = None) -> Expected
         calls = feedback_calls(t.outcome.feedback)
         if calls:
             return Expected((tuple(calls),), "feedback", explicit=False)
-    if retry is not None and retry.outcome.status == "success":
+    if retry is not None and retry.is_success and not same_episode(t, retry):
         turns = turns_of(retry.items)
         if turns:
             return Expected(turns, f"retry:{retry.trajectory_id}", explicit=True)
@@ -123,3 +127,27 @@ def expected_calls(t: Trajectory, retry: Trajectory | None = None
     """(expected calls, where they came from), or None when the trajectory does not show them."""
     found = expected_actions(t, retry)
     return None if found is None else (found.calls, found.source)
+
+
+def _shape(item: Any) -> tuple[Any, ...]:
+    """An item as episodes compare it: call ids differ between logs of one conversation."""
+    if isinstance(item, FunctionCallItem):
+        return ("call", item.name, item.arguments)
+    if isinstance(item, MessageItem):
+        return ("message", item.role, item.content if isinstance(item.content, str)
+                else repr(item.content))
+    return (item.type, getattr(item, "output", None), getattr(item, "content", None))
+
+
+def _acts(items: list[Any]) -> bool:
+    return any(isinstance(i, FunctionCallItem) or (isinstance(i, MessageItem)
+                                                   and i.role == "assistant") for i in items)
+
+
+def same_episode(a: Trajectory, b: Trajectory) -> bool:
+    """Whether one of the two continues the other (its items start with all of the other's,
+    and those include an action): two calls of one conversation, not a retry of it."""
+    short, long_ = sorted((a.items, b.items), key=len)
+    if not _acts(short):
+        return False
+    return [_shape(i) for i in short] == [_shape(i) for i in long_[:len(short)]]

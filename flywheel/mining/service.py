@@ -2,7 +2,14 @@
 
 Successes are recorded first (by session and request), so that a failure in the same batch
 finds its later retry; a success also upgrades earlier unverifiable failures of the same
-request in its session.
+request in its session. A trajectory with no outcome yet is not mined: feedback brings its
+outcome later, and `remine` mines it then (`mining.outcomes`).
+
+Both paths serialize on one advisory lock per trajectory: its (session, request) when it has
+both, else its id. The batch path mines a record as it came off the topic, so it steps back
+for a trajectory whose feedback was applied first (the store's `as_ingested` guards);
+`remine` always mines the trajectory with its feedback applied and replaces what the batch
+path stored.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Literal
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -18,9 +26,11 @@ from flywheel.config import Topics
 from flywheel.mining import store
 from flywheel.mining.build import Unverifiable, build_task, expected_calls, request_key
 from flywheel.mining.classify import Labeller, classify_failure
+from flywheel.mining.expected import same_episode
 from flywheel.schemas import Trajectory
 
 log = logging.getLogger("flywheel.miner")
+Claim = Literal["claim", "upgrade", "refresh"]
 
 
 @dataclass
@@ -32,26 +42,37 @@ class MineStats:
     upgraded: int = 0
     redelivered: int = 0
     errors: int = 0
+    awaiting: int = 0
     modes: Counter[str] = field(default_factory=Counter)
+
+    def add(self, other: MineStats) -> None:
+        for name in ("failures", "tasks_created", "tasks_joined", "unverifiable", "upgraded",
+                     "redelivered", "errors", "awaiting"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.modes.update(other.modes)
 
 
 async def _task_for(conn: AsyncConnection, t: Trajectory, retry: Trajectory | None,
                     stats: MineStats, *, holdout_fraction: float, topics: Topics,
-                    labeller: Labeller | None, claim: bool) -> bool:
-    """Classify and build; returns True when it became (or joined) a task."""
+                    labeller: Labeller | None, claim: Claim) -> bool:
+    """Classify and build; returns True when it became (or joined) a task. `claim`: insert
+    the failure if new (`claim`), settle an existing one (`upgrade`), or replace what was
+    stored with this version of the trajectory (`refresh`)."""
     found = expected_calls(t, retry)
     c = classify_failure(t, found[0] if found else None, labeller)
     key = request_key(t)
-    if claim:
-        if not await store.claim_failure(conn, t, key, c):
-            stats.redelivered += 1
-            return False
+    if claim == "claim" and not await store.claim_failure(conn, t, key, c):
+        stats.redelivered += 1
+        return False
+    if claim == "claim" or (claim == "refresh"
+                            and await store.claim_failure(conn, t, key, c, refresh=True)):
         stats.failures += 1
         stats.modes[c.mode] += 1
     result = build_task(t, c, retry=retry, holdout_fraction=holdout_fraction)
-    await store.settle_failure(conn, t.trajectory_id, result, None if claim else c.mode)
+    await store.settle_failure(conn, t.trajectory_id, result,
+                               None if claim == "claim" else c.mode)
     if isinstance(result, Unverifiable):
-        stats.unverifiable += claim
+        stats.unverifiable += claim != "upgrade"
         return False
     source = found[1] if found else "tests"
     if await store.store_task(conn, result, t.trajectory_id, source, topics):
@@ -61,11 +82,39 @@ async def _task_for(conn: AsyncConnection, t: Trajectory, retry: Trajectory | No
     return True
 
 
-async def _lock_request(conn: AsyncConnection, session_id: str, key: str) -> None:
-    """Serialize a session's request across miners: a failure and its retry may be mined at
-    the same moment by two members (they live on different partitions)."""
-    await conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:k))"),
-                       {"k": f"{session_id}:{key}"})
+async def lock_trajectory(conn: AsyncConnection, t: Trajectory) -> None:
+    """Serialize the mining of one trajectory (and of its session's request) across
+    miners: a failure and its retry may be mined at the same moment by two members (they
+    live on different partitions), or a record and its feedback."""
+    key = request_key(t)
+    lock = f"{t.session_id}:{key}" if t.session_id is not None and key is not None \
+        else f":{t.trajectory_id}"
+    await conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:k))"), {"k": lock})
+
+
+async def _retry(conn: AsyncConnection, t: Trajectory) -> Trajectory | None:
+    """The newest success of the same request in the session that is not `t`'s own
+    conversation going on (a later call of it is no retry)."""
+    key = request_key(t)
+    if t.session_id is None or key is None:
+        return None
+    for success in await store.find_successes(conn, t.session_id, key):
+        if success.trajectory_id != t.trajectory_id and not same_episode(t, success):
+            return success
+    return None
+
+
+async def _success(conn: AsyncConnection, t: Trajectory, stats: MineStats, *,
+                   holdout_fraction: float, topics: Topics, labeller: Labeller | None,
+                   as_ingested: bool) -> None:
+    """Record a success of a session's request; it upgrades earlier unverifiable failures."""
+    key = request_key(t)
+    assert t.session_id is not None and key is not None
+    await store.record_success(conn, t, key, as_ingested=as_ingested)
+    for failed, _mode in await store.unverified_failures(conn, t.session_id, key):
+        if await _task_for(conn, failed, t, stats, holdout_fraction=holdout_fraction,
+                           topics=topics, labeller=labeller, claim="upgrade"):
+            stats.upgraded += 1
 
 
 async def mine_batch(conn: AsyncConnection, batch: list[Trajectory], *, holdout_fraction: float,
@@ -73,38 +122,50 @@ async def mine_batch(conn: AsyncConnection, batch: list[Trajectory], *, holdout_
     """Each trajectory in its own savepoint: one that cannot be mined is logged and skipped,
     never allowed to wedge the partition."""
     stats = MineStats()
+    stats.awaiting = sum(t.outcome is None for t in batch)
     for t in batch:
-        if t.is_failure or t.session_id is None:
-            continue
-        key = request_key(t)
-        if key is None:
+        if not t.is_success or t.session_id is None or request_key(t) is None:
             continue
         try:
             async with conn.begin_nested():
-                await _lock_request(conn, t.session_id, key)
-                await store.record_success(conn, t, key)
-                for failed, _mode in await store.unverified_failures(conn, t.session_id, key):
-                    if await _task_for(conn, failed, t, stats,
-                                       holdout_fraction=holdout_fraction,
-                                       topics=topics, labeller=labeller,
-                                       claim=False):
-                        stats.upgraded += 1
+                await lock_trajectory(conn, t)
+                await _success(conn, t, stats, holdout_fraction=holdout_fraction,
+                               topics=topics, labeller=labeller, as_ingested=True)
         except Exception as err:
             stats.errors += 1
             log.error("could not record success %s: %s", t.trajectory_id, err)
     for t in batch:
         if not t.is_failure:
             continue
-        key = request_key(t)
         try:
             async with conn.begin_nested():
-                retry = None
-                if t.session_id is not None and key is not None:
-                    await _lock_request(conn, t.session_id, key)
-                    retry = await store.find_success(conn, t.session_id, key)
-                await _task_for(conn, t, retry, stats, holdout_fraction=holdout_fraction,
-                                topics=topics, labeller=labeller, claim=True)
+                await lock_trajectory(conn, t)
+                await _task_for(conn, t, await _retry(conn, t), stats,
+                                holdout_fraction=holdout_fraction, topics=topics,
+                                labeller=labeller, claim="claim")
         except Exception as err:
             stats.errors += 1
             log.error("could not mine failure %s: %s", t.trajectory_id, err)
+    return stats
+
+
+async def remine(conn: AsyncConnection, t: Trajectory, *, holdout_fraction: float,
+                 topics: Topics, labeller: Labeller | None = None) -> MineStats:
+    """Mine `t` again with its feedback applied, replacing what an earlier mining of it
+    stored (a success that feedback turned into a failure is no retry any more; a failure
+    it turned into a success is overturned). The caller holds `lock_trajectory`."""
+    stats = MineStats()
+    if t.outcome is None:
+        stats.awaiting = 1
+        return stats
+    if t.is_failure:
+        await store.forget_success(conn, t.trajectory_id)
+        await _task_for(conn, t, await _retry(conn, t), stats,
+                        holdout_fraction=holdout_fraction, topics=topics, labeller=labeller,
+                        claim="refresh")
+        return stats
+    await store.overturn_failure(conn, t.trajectory_id)
+    if t.session_id is not None and request_key(t) is not None:
+        await _success(conn, t, stats, holdout_fraction=holdout_fraction, topics=topics,
+                       labeller=labeller, as_ingested=False)
     return stats

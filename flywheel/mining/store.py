@@ -28,21 +28,46 @@ from flywheel.schemas import Trajectory
 from flywheel.tasks import TaskSpec
 
 
-async def record_success(conn: AsyncConnection, t: Trajectory, key: str) -> None:
+async def record_success(conn: AsyncConnection, t: Trajectory, key: str, *,
+                         as_ingested: bool = True) -> None:
+    """Keep a success for later retries to find. `as_ingested`: the record as it came off
+    the topic, skipped once feedback has given the trajectory another outcome (its
+    projection row exists); else the trajectory with its feedback applied, which wins."""
     assert t.session_id is not None
-    await conn.execute(text("""
-        INSERT INTO session_successes (trajectory_id, session_id, request_key, record)
-        VALUES (:id, :session, :key, CAST(:record AS jsonb)) ON CONFLICT DO NOTHING"""),
-        {"id": t.trajectory_id, "session": t.session_id, "key": key,
-         "record": t.model_dump_json(exclude_none=True)})
+    sql = """INSERT INTO session_successes (trajectory_id, session_id, request_key, record)
+             SELECT CAST(:id AS uuid), CAST(:session AS text), CAST(:key AS text),
+                    CAST(:record AS jsonb)"""
+    sql += """ WHERE NOT EXISTS (SELECT 1 FROM trajectory_outcomes o
+                                 WHERE o.trajectory_id = CAST(:id AS uuid))
+               ON CONFLICT DO NOTHING""" if as_ingested else """
+               ON CONFLICT (trajectory_id) DO UPDATE SET record = EXCLUDED.record"""
+    await conn.execute(text(sql), {"id": t.trajectory_id, "session": t.session_id, "key": key,
+                                   "record": t.model_dump_json(exclude_none=True)})
 
 
-async def find_success(conn: AsyncConnection, session_id: str, key: str) -> Trajectory | None:
-    row = (await conn.execute(text("""
+async def forget_success(conn: AsyncConnection, trajectory_id: uuid.UUID) -> None:
+    """Feedback turned a success into a failure: it is no retry for others any more."""
+    await conn.execute(text("DELETE FROM session_successes WHERE trajectory_id = :id"),
+                       {"id": trajectory_id})
+
+
+async def overturn_failure(conn: AsyncConnection, trajectory_id: uuid.UUID) -> None:
+    """Feedback says a mined failure succeeded: it no longer counts (its task, if any,
+    keeps its other sources)."""
+    await conn.execute(text("""UPDATE failures SET status = 'overturned',
+                               reason = 'feedback says it succeeded' WHERE trajectory_id = :id"""),
+                       {"id": trajectory_id})
+
+
+async def find_successes(conn: AsyncConnection, session_id: str, key: str, limit: int = 5
+                         ) -> list[Trajectory]:
+    """The newest successes of this request in the session (newest first)."""
+    rows = (await conn.execute(text("""
         SELECT record FROM session_successes WHERE session_id = :s AND request_key = :k
-        ORDER BY (record->>'ended_at') DESC NULLS LAST LIMIT 1"""),
-        {"s": session_id, "k": key})).scalar()
-    return Trajectory.model_validate(row) if row is not None else None
+        ORDER BY coalesce(record->>'ended_at', record->>'started_at') DESC NULLS LAST
+        LIMIT :n"""),
+        {"s": session_id, "k": key, "n": limit})).scalars()
+    return [Trajectory.model_validate(r) for r in rows]
 
 
 async def unverified_failures(conn: AsyncConnection, session_id: str, key: str
@@ -55,18 +80,34 @@ async def unverified_failures(conn: AsyncConnection, session_id: str, key: str
 
 
 async def claim_failure(conn: AsyncConnection, t: Trajectory, key: str | None,
-                        c: Classification) -> bool:
-    """Insert the failure row; False when this trajectory was already mined (redelivery)."""
+                        c: Classification, *, refresh: bool = False) -> bool:
+    """Insert the failure row; False when this trajectory was already mined (redelivery) or
+    feedback has given it another outcome since. `refresh`: the trajectory with its feedback
+    applied, which replaces what an earlier mining stored; True when the row is new."""
+    params = {"id": t.trajectory_id, "agent": t.agent, "session": t.session_id, "key": key,
+              "mode": c.mode, "evidence": _json(c.evidence),
+              "record": t.model_dump_json(exclude_none=True)}
+    if not refresh:
+        res = await conn.execute(text("""
+            INSERT INTO failures (trajectory_id, agent, session_id, request_key, failure_mode,
+                                  evidence, status, record)
+            SELECT CAST(:id AS uuid), CAST(:agent AS text), CAST(:session AS text),
+                   CAST(:key AS text), CAST(:mode AS text), CAST(:evidence AS jsonb), 'pending',
+                   CAST(:record AS jsonb)
+            WHERE NOT EXISTS (SELECT 1 FROM trajectory_outcomes o
+                              WHERE o.trajectory_id = CAST(:id AS uuid))
+            ON CONFLICT (trajectory_id) DO NOTHING RETURNING 1"""), params)
+        return res.scalar() is not None
     res = await conn.execute(text("""
         INSERT INTO failures (trajectory_id, agent, session_id, request_key, failure_mode,
                               evidence, status, record)
         VALUES (:id, :agent, :session, :key, :mode, CAST(:evidence AS jsonb), 'pending',
                 CAST(:record AS jsonb))
-        ON CONFLICT (trajectory_id) DO NOTHING RETURNING 1"""),
-        {"id": t.trajectory_id, "agent": t.agent, "session": t.session_id, "key": key,
-         "mode": c.mode, "evidence": _json(c.evidence),
-         "record": t.model_dump_json(exclude_none=True)})
-    return res.scalar() is not None
+        ON CONFLICT (trajectory_id) DO UPDATE SET failure_mode = EXCLUDED.failure_mode,
+            evidence = EXCLUDED.evidence, status = 'pending', reason = NULL, task_id = NULL,
+            record = EXCLUDED.record
+        RETURNING (xmax = 0)"""), params)
+    return bool(res.scalar())
 
 
 async def settle_failure(conn: AsyncConnection, trajectory_id: uuid.UUID,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flywheel.config import Scope, Settings, settings_env
+from flywheel.config import Scope, Settings, TokenGrant, settings_env
 from flywheel.runtime.broker import LocalBroker
 from flywheel.runtime.endpoints import read_run, run_file
 from flywheel.runtime.postgres import LocalPostgres
@@ -80,15 +80,15 @@ def _descendants(pid: int) -> list[int]:
     return [p for c in children for p in (c, *_descendants(c))]
 
 
-def load_or_make_tokens(settings: Settings) -> dict[str, list[Scope]]:
+def load_or_make_tokens(settings: Settings) -> dict[str, list[Scope] | TokenGrant]:
     """Configured tokens, else a `publish` and an `operate` token kept in <home>/tokens.json."""
     if settings.api.tokens:
         return settings.api.tokens
     path = settings.home / "tokens.json"
     if path.exists():
-        data: dict[str, list[Scope]] = json.loads(path.read_text())
+        data: dict[str, list[Scope] | TokenGrant] = json.loads(path.read_text())
         return data
-    tokens: dict[str, list[Scope]] = {
+    tokens: dict[str, list[Scope] | TokenGrant] = {
         f"fw_pub_{secrets.token_urlsafe(24)}": ["publish"],
         f"fw_op_{secrets.token_urlsafe(24)}": ["publish", "operate"],
     }
@@ -192,14 +192,15 @@ class Stack:
                 "status": "ready", "supervisor_pid": os.getpid(),
                 "kafka_bootstrap": s.kafka.bootstrap, "database_url": s.db.url,
                 "api_url": self.api_url(), "dashboard_url": self.api_url() + "/dashboard",
-                "topics": s.topics.model_dump(), "tokens": s.api.tokens,
+                "topics": s.topics.model_dump(),
+                "tokens": s.api.model_dump(mode="json")["tokens"],
                 "pids": {c.name: c.proc.pid for c in self.children if c.proc},
                 "broker_pid": self.broker.proc.pid if self.broker and self.broker.proc else None,
                 "postgres_data": str(self.postgres.data_dir) if self.postgres else None,
-                "logs": str(self.logs), "started_at": time.time(),
+                "logs": str(self.logs), "home": str(self.home), "started_at": time.time(),
             })
-            log.info("flywheel is up: api %s, dashboard %s/dashboard (token in %s)",
-                     self.api_url(), self.api_url(), run_file(s))
+            log.info("flywheel is up (FLYWHEEL_HOME=%s): api %s, dashboard %s/dashboard "
+                     "(tokens in %s)", self.home, self.api_url(), self.api_url(), run_file(s))
             while not stop["now"]:
                 for child in self.children:
                     if child.proc is not None and child.proc.poll() is not None:

@@ -1,0 +1,126 @@
+"""Feedback over HTTP: outcomes, ratings and corrections that arrive after the trajectory.
+
+`POST /v1/trajectories/{id}/feedback` names the trajectory in the URL: its trajectory id
+(a UUID, as the gateway and the SDK return it) or, for anything else, the request's id
+(e.g. the response's `id` of a logged request/response pair). `POST /v1/feedback` takes one
+feedback object, a JSON array of them or `{"feedback": [...]}`, each naming its trajectory
+itself (`trajectory_id` or `request_id`). Both need the `publish` scope, validate everything
+before anything is sent, and publish to `<prefix>.feedback` (key = the trajectory or request
+id); the miner applies it. 202 once the broker acknowledged every record.
+
+Mounted with the gateway (it shares the gateway's producer, `gateway_lifespan`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request, status
+from pydantic import BaseModel
+
+from flywheel.api.app import settings_of
+from flywheel.api.auth import Principal, require_scope
+from flywheel.api.gateway import describe_record_error, publish_or_503, read_body
+from flywheel.feedback import Feedback, parse_feedback
+
+log = logging.getLogger(__name__)
+_REPORTED = 10  # a 422 lists this many bad records
+
+_DOC = ('Feedback: {"rating": "up"|"down", "outcome": {…}, "feedback": {"expected_call": …},'
+        ' "correction": [chat messages or items], "by": …, "note": …}; on /v1/feedback each'
+        " names `trajectory_id` or `request_id`.")
+
+
+class FeedbackAccepted(BaseModel):
+    accepted: int
+    """How many feedback records the broker acknowledged."""
+    feedback_ids: list[str]
+    """Their ids, in request order (content-derived where the request had none)."""
+
+
+def _target(ref: str) -> dict[str, Any]:
+    try:
+        return {"trajectory_id": uuid.UUID(ref)}
+    except ValueError:
+        return {"request_id": ref}
+
+
+def parse_feedback_body(body: bytes, *, ref: str | None) -> list[Feedback]:
+    """All records of a body as `Feedback`, or HTTPException 400/422 saying what is wrong."""
+    if b"\\u0000" in body:
+        raise HTTPException(422, "the body contains a NUL character (\\u0000), which cannot be "
+                                 "stored; remove it")
+    try:
+        doc = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise HTTPException(400, f"the body is not valid UTF-8 JSON ({err})") from None
+    if ref is not None:
+        if not isinstance(doc, dict):
+            raise HTTPException(422, "send one feedback object to this URL (several go to "
+                                     "POST /v1/feedback)")
+        records: list[Any] = [doc]
+    elif isinstance(doc, dict) and isinstance(doc.get("feedback"), list) and len(doc) == 1:
+        records = doc["feedback"]
+    else:
+        records = doc if isinstance(doc, list) else [doc]
+    if not records:
+        raise HTTPException(422, "the request holds no feedback; send at least one")
+    out, invalid = [], []
+    for i, record in enumerate(records):
+        try:
+            out.append(parse_feedback(record, **_target(ref)) if ref is not None
+                       else parse_feedback(record))
+        except (ValueError, TypeError, RecursionError) as err:  # incl. pydantic's
+            invalid.append(describe_record_error(i, err, label="feedback"))
+    if invalid:
+        raise HTTPException(422, f"{len(invalid)} of {len(records)} feedback records are "
+                                 f"invalid, nothing was published: "
+                                 + "; ".join(invalid[:_REPORTED]))
+    return out
+
+
+def feedback_router() -> APIRouter:
+    """`POST /v1/trajectories/{id}/feedback` and `POST /v1/feedback`."""
+    router = APIRouter(tags=["feedback"])
+    spec = {"requestBody": {"required": True, "description": _DOC, "content": {
+        "application/json": {"schema": {"oneOf": [{"type": "object"}, {"type": "array"}]}}}}}
+
+    async def accept(request: Request, principal: Principal, ref: str | None
+                     ) -> FeedbackAccepted:
+        settings = settings_of(request)
+        body = await read_body(request, settings.api.max_request_bytes)
+        records = parse_feedback_body(body, ref=ref)
+        values = [(fb.target.encode(), fb.model_dump_json(exclude_none=True).encode())
+                  for fb in records]
+        too_large = [n for n, (_, v) in enumerate(values)
+                     if len(v) > settings.ingest.max_payload_bytes]
+        if too_large:
+            raise HTTPException(413, f"feedback {too_large[:10]} over "
+                                     f"{settings.ingest.max_payload_bytes} bytes "
+                                     "(ingest.max_payload_bytes); nothing was published")
+        await publish_or_503(request, settings.topics.feedback, values, what="feedback",
+                             dedupe="feedback is applied once per feedback_id")
+        ids = [str(fb.feedback_id) for fb in records]
+        log.info("gateway: token %s published %d feedback records", principal.fingerprint,
+                 len(ids))
+        return FeedbackAccepted(accepted=len(ids), feedback_ids=ids)
+
+    @router.post("/v1/trajectories/{ref}/feedback", status_code=status.HTTP_202_ACCEPTED,
+                 response_model=FeedbackAccepted, openapi_extra=spec)
+    async def post_trajectory_feedback(request: Request, ref: str,
+                                       principal: Principal = require_scope("publish")
+                                       ) -> FeedbackAccepted:
+        """Feedback for one trajectory: `ref` is its trajectory id, or the request's id."""
+        return await accept(request, principal, ref)
+
+    @router.post("/v1/feedback", status_code=status.HTTP_202_ACCEPTED,
+                 response_model=FeedbackAccepted, openapi_extra=spec)
+    async def post_feedback(request: Request, principal: Principal = require_scope("publish")
+                            ) -> FeedbackAccepted:
+        """Feedback records that each name their trajectory (`trajectory_id`/`request_id`)."""
+        return await accept(request, principal, None)
+
+    return router

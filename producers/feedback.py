@@ -1,0 +1,64 @@
+"""Feedback from an agent's process: `FeedbackClient` publishes to `<prefix>.feedback`.
+
+Validates each record as `flywheel.feedback.Feedback` (key = the trajectory or request id it
+names) and sends it through a `FlywheelClient` on the feedback topic, so feedback gets the
+same batching, retries and disk spool as trajectories.
+
+    async with FeedbackClient.from_settings(settings) as feedback:
+        await feedback.log({"request_id": "chatcmpl-123", "rating": "down",
+                            "correction": [{"role": "assistant", "tool_calls": [...]}]})
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from flywheel.config import Settings
+from flywheel.feedback import Feedback, parse_feedback
+from flywheel.runtime.endpoints import resolve_bootstrap
+from producers.sdk import FlywheelClient
+
+
+class FeedbackClient:
+    def __init__(self, bootstrap: str, topic: str, *, spool_dir: Path, **kw: Any) -> None:
+        self._client = FlywheelClient(bootstrap, topic, spool_dir=spool_dir, **kw)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **kw: Any) -> FeedbackClient:
+        return cls(resolve_bootstrap(settings), settings.topics.feedback,
+                   spool_dir=settings.home / "spool", **kw)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return self._client.stats
+
+    async def __aenter__(self) -> FeedbackClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        await self._client.start()
+
+    async def log(self, feedback: Feedback | dict[str, Any]) -> uuid.UUID:
+        """Validate and enqueue one feedback; returns its id. Raises ValueError if invalid."""
+        fb = feedback if isinstance(feedback, Feedback) else parse_feedback(feedback)
+        await self._client.log_raw(fb.model_dump_json(exclude_none=True).encode(),
+                                   key=fb.target.encode())
+        return fb.feedback_id
+
+    async def log_raw(self, value: bytes, key: bytes | None = None) -> None:
+        """Enqueue pre-serialized JSON as is (replays); the miner validates it."""
+        await self._client.log_raw(value, key)
+
+    async def flush(self, timeout: float | None = None) -> None:
+        await self._client.flush(timeout)
+
+    async def close(self, timeout: float | None = 30.0) -> None:
+        await self._client.close(timeout)
