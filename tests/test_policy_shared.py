@@ -6,8 +6,8 @@ several groups in one call, whose rows need no padding, with and without an adap
 prefix cache cold or holding that very prompt. Two cases change the arithmetic, not the math:
 a batch of prompts of different lengths (`generate` runs the short ones left-padded, the shared
 path unpadded) and a prompt continued from a cached start (its tail attends to cached keys in a
-separate pass). There every token is the same and the log-probs agree to float32 rounding
-(measured ≤ 2.1e-5; asserted < 1e-4).
+separate pass). There every token is the same and the log-probs agree to float32 rounding (measured on
+~2,000 tokens: no token differed, log-probs ≤ 1.9e-5 apart; asserted < 1e-4).
 """
 
 from __future__ import annotations
@@ -163,6 +163,7 @@ async def test_the_shared_start_of_prompts_is_reused_across_calls(
     assert shared.prefix_cache.nbytes <= shared.prefix_cache.capacity
 
 
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 async def test_cache_entries_are_per_adapter_and_go_with_it(
         reference: local.LocalPolicy, shared: local.LocalPolicy, lora_dir: Path) -> None:
     shared.prefix_cache.clear()

@@ -133,6 +133,20 @@ def _processors(params: SamplingParams) -> LogitsProcessorList:
     return warpers
 
 
+def _as_generate_lays_out(rows: Sequence[PromptKV]) -> Tensor:
+    """The rows' last hidden states [B, 1, E], as the last column of a [B, P, E] buffer.
+
+    `generate` applies the head to that strided slice of the prompt pass's output; MKL can
+    round the same product of a strided and of a contiguous operand differently (~1e-5), so
+    the first token's logits are computed on the same layout, and come out bit-for-bit.
+    """
+    width = max(r.length for r in rows)
+    first = rows[0].hidden
+    buffer = first.new_zeros(len(rows), width, first.shape[-1])
+    buffer[:, -1] = torch.cat([r.hidden for r in rows])[:, 0]
+    return buffer[:, -1:]
+
+
 def sample_rows(model: Any, rows: Sequence[PromptKV], params: SamplingParams, *,
                 eos_ids: set[int], pad_id: int,
                 stop: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
@@ -152,7 +166,7 @@ def sample_rows(model: Any, rows: Sequence[PromptKV], params: SamplingParams, *,
     warpers, sampling = _processors(params), params.temperature > 0
     no_ids = cast(torch.LongTensor, torch.zeros(batch, 0, dtype=torch.long, device=device))
     # (the warpers `generate` would use here never read the ids)
-    logits = _parts(model)[1](torch.cat([r.hidden for r in rows]))[:, -1].float()  # [B, V]
+    logits = _parts(model)[1](_as_generate_lays_out(rows))[:, -1].float()  # [B, V]
     unfinished = torch.ones(batch, dtype=torch.bool, device=device)
     tokens: list[Tensor] = []
     logps: list[Tensor] = []
