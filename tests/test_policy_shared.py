@@ -207,3 +207,26 @@ async def test_the_cache_stays_under_its_cap(
     for _ in range(2):
         assert cached(await shared.sample(LONG, params)) == [0, 0]
     assert len(shared.prefix_cache) == 0
+
+
+async def test_a_model_that_cannot_share_prompts_samples_in_full(
+        model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Cohere scales its logits after the head: the engine says so and keeps to `generate`."""
+    import transformers
+
+    config = transformers.CohereConfig(vocab_size=49152, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=2, num_attention_heads=2,
+                                       num_key_value_heads=2, logit_scale=0.25)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp_path)
+
+    with caplog.at_level("WARNING", logger="flywheel.policy.local"):
+        engine = local.LocalPolicy(tmp_path)
+    try:
+        assert not engine.share_prompts
+        assert "not its output head's" in caplog.text
+        got = await engine.sample(SHORT, SamplingParams(n=2, max_tokens=4, seed=1))
+        assert [len(c.token_ids) for c in got] == [4, 4] and cached(got) == [0, 0]
+    finally:
+        await engine.close()
