@@ -89,6 +89,12 @@ class RolloutSettings(BaseModel):
     """Sampling temperature (> 0: groups need diversity)."""
     max_steps: int = 8
     """Most model turns in a multi-step episode."""
+    prefix_cache_mb: float = Field(default=256.0, ge=0)
+    """MiB of encoded prompts (keys/values, per adapter, least recently used out) the local
+    engine keeps, so the start its prompts share (system prompt, tools, earlier turns of an
+    episode) runs once across requests, groups, the gate and serving. SmolLM2-135M takes
+    45 KiB a token, ~12 MiB a tool_call prompt. 0 = keep none (each call still runs each of
+    its distinct prompts once). vLLM caches prefixes itself: ignored there."""
     rollout_timeout_s: float = 600.0
     """Per-rollout deadline: a straggler is typed `timeout` and excluded, never scored 0.
     Sized for multi-step groups on the CPU engine (a GPU finishes far sooner)."""

@@ -1,10 +1,15 @@
-"""`flywheel bench rollout`: groups through the rollout worker vs the engine called directly.
+"""`flywheel bench rollout`: groups through the rollout worker vs the engine called directly,
+and the engine with prompts shared vs every row running its prompt in full.
 
-Both sides sample the same tool_call prompts with the same group size, token limit and
-seeds, in the same run. The worker side goes through everything a production group does:
-the request on Kafka, the worker's consumer, task loading, admission, verification, the
-group record and its event in Postgres. Reports completions/s and tokens/s for both and
-`overhead_ratio` = direct throughput / worker throughput (target ≤ 1.10).
+Every side samples the same tool_call prompts (simulator tasks, mined) with the same group
+size, token limit and seeds, in the same run. The worker side goes through everything a
+production group does: the request on Kafka, the worker's consumer, task loading, admission,
+verification, the group record and its event in Postgres; `overhead_ratio` = direct
+throughput / worker throughput (target ≤ 1.10). The direct side is the configured engine
+(each prompt once, prefix cache on); beside it, group by group in rotating order, the same
+engine with no prefix cache and the `generate` path (`unshared`: G prompt passes a group).
+`prefix_speedup` = direct tokens/s / unshared tokens/s; the sides must sample the same
+tokens (`prefix_same_tokens`), their log-probs `prefix_max_logprob_diff` apart.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from flywheel.db.engine import make_engine
 from flywheel.demo.simulate import simulate
 from flywheel.environments.prompt import build_prompt
 from flywheel.mining.service import mine_batch
-from flywheel.policy.base import SamplingParams
+from flywheel.policy.base import Completion, Policy, SamplingParams
 from flywheel.rollout.store import request_rollouts
 from flywheel.schemas import parse_trajectory
 from flywheel.tasks import TaskSpec
@@ -98,50 +103,85 @@ async def _worker_side(settings: Settings, tasks: list[TaskSpec], log: Path) -> 
 
 
 async def _direct_side(settings: Settings, tasks: list[TaskSpec],
-                       seeds: list[int]) -> dict[str, Any]:
+                       seeds: list[int]) -> dict[str, dict[str, Any]]:
     from flywheel.policy.factory import make_policy
+    from flywheel.policy.local import LocalPolicy
+    from flywheel.policy.model_cache import resolve_model_dir
 
-    policy = make_policy(settings)
+    model_dir = resolve_model_dir(settings.rollout.model_dir)
+    engines: dict[str, Policy] = {
+        "direct": make_policy(settings),
+        "no_cache": LocalPolicy(model_dir, prefix_cache_mb=0),
+        "unshared": LocalPolicy(model_dir, share_prompts=False, prefix_cache_mb=0)}
     cfg = settings.rollout
+    sides: dict[str, dict[str, Any]] = {
+        name: {"seconds": 0.0, "tokens": 0, "completions": [], "prompt_tokens": 0}
+        for name in engines}
     try:
-        async def one(task: TaskSpec, seed: int) -> int:
+        for i, (task, seed) in enumerate(zip(tasks, seeds, strict=True)):
             p = build_prompt(task)
             params = SamplingParams(n=cfg.group_size, max_tokens=cfg.max_tokens,
                                     temperature=cfg.temperature, seed=seed, stop=p.stop,
                                     prefill=p.prefill, stop_at_json_end=p.stop_at_json_end)
-            return sum(len(c.token_ids) for c in await policy.sample(p.messages, params))
-
-        await one(tasks[0], seeds[0])  # warm-up, as on the worker side
-        t0 = time.perf_counter()
-        tokens = 0
-        for task, seed in zip(tasks[1:], seeds[1:], strict=True):
-            tokens += await one(task, seed)
-        return {"seconds": time.perf_counter() - t0,
-                "completions": (len(tasks) - 1) * cfg.group_size, "tokens": tokens}
+            names = list(engines)
+            # Rotate who goes first: on a shared machine no side always gets the quiet slot.
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                t0 = time.perf_counter()
+                got = await engines[name].sample(p.messages, params)
+                elapsed = time.perf_counter() - t0
+                if i == 0:
+                    continue  # warm-up, as on the worker side
+                side = sides[name]
+                side["seconds"] += elapsed
+                side["tokens"] += sum(len(c.token_ids) for c in got)
+                side["prompt_tokens"] += len(got[0].prompt_token_ids)
+                side["completions"] += got
     finally:
-        await policy.close()
+        for engine in engines.values():
+            await engine.close()
+    return sides
 
 
-def run_bench(groups: int, *, group_size: int = 8, max_tokens: int = 32) -> dict[str, Any]:
+def _max_diff(a: list[Completion], b: list[Completion]) -> float:
+    return max((abs(x - y) for ca, cb in zip(a, b, strict=True)
+                for x, y in zip(ca.logprobs, cb.logprobs, strict=False)), default=0.0)
+
+
+def run_bench(groups: int, *, group_size: int = 8, max_tokens: int = 32,
+              worker: bool = True) -> dict[str, Any]:
     rollout = RolloutSettings(group_size=group_size, max_tokens=max_tokens,
                               max_staleness=10_000, rollout_timeout_s=600)
     with temp_stack(rollout=rollout) as settings:
         assert settings.db.url
         tasks = asyncio.run(_tasks(settings.db.url, groups + 1))
-        worker = asyncio.run(_worker_side(settings, tasks, settings.home / "services.log"))
-        # Same prompts, same seeds as the worker used: both sides sample the same tokens.
-        seeds = [worker["seeds"][t.task_id] for t in tasks]
-        direct = asyncio.run(_direct_side(settings, tasks, seeds))
-    w_cps = worker["completions"] / worker["seconds"]
-    d_cps = direct["completions"] / direct["seconds"]
-    return {
-        "groups": groups, "group_size": group_size, "max_tokens": max_tokens,
-        "worker_completions_per_s": round(w_cps, 2),
-        "worker_tokens_per_s": round(worker["tokens"] / worker["seconds"], 1),
+        out: dict[str, Any] = {"groups": groups, "group_size": group_size,
+                               "max_tokens": max_tokens}
+        if worker:
+            w = asyncio.run(_worker_side(settings, tasks, settings.home / "services.log"))
+            # Same prompts, same seeds as the worker used: every side samples the same tokens.
+            seeds = [w["seeds"][t.task_id] for t in tasks]
+        else:
+            seeds = [zlib.crc32(t.task_id.bytes) for t in tasks]
+        sides = asyncio.run(_direct_side(settings, tasks, seeds))
+    completions = groups * group_size
+    direct, no_cache, unshared = sides["direct"], sides["no_cache"], sides["unshared"]
+    d_cps = completions / direct["seconds"]
+    if worker:
+        w_cps = w["completions"] / w["seconds"]
+        out |= {"worker_completions_per_s": round(w_cps, 2),
+                "worker_tokens_per_s": round(w["tokens"] / w["seconds"], 1),
+                "overhead_ratio": round(d_cps / w_cps, 3),
+                "same_tokens": w["tokens"] == direct["tokens"]}
+    tokens = [[c.token_ids for c in s["completions"]] for s in (direct, no_cache, unshared)]
+    return out | {
         "direct_completions_per_s": round(d_cps, 2),
         "direct_tokens_per_s": round(direct["tokens"] / direct["seconds"], 1),
-        "overhead_ratio": round(d_cps / w_cps, 3),
-        "same_tokens": worker["tokens"] == direct["tokens"],
+        "no_cache_tokens_per_s": round(no_cache["tokens"] / no_cache["seconds"], 1),
+        "unshared_tokens_per_s": round(unshared["tokens"] / unshared["seconds"], 1),
+        "prefix_speedup": round(unshared["seconds"] / direct["seconds"], 2),
+        "prefix_speedup_no_cache": round(unshared["seconds"] / no_cache["seconds"], 2),
+        "prompt_tokens_mean": round(direct["prompt_tokens"] / groups, 1),
+        "prefix_same_tokens": tokens[0] == tokens[1] == tokens[2],
+        "prefix_max_logprob_diff": float(
+            f"{_max_diff(direct['completions'], unshared['completions']):.3g}"),
     }
-
-

@@ -261,12 +261,15 @@ def bench_rollout(
     groups: Annotated[int, typer.Option(help="Groups to sample on each side.")] = 6,
     group_size: Annotated[int, typer.Option(help="G: completions per group.")] = 8,
     max_tokens: Annotated[int, typer.Option(help="Token limit per completion.")] = 32,
+    worker: Annotated[bool, typer.Option(
+        help="Also run the groups through the rollout worker (Kafka, Postgres).")] = True,
     as_json: JsonOpt = False,
 ) -> None:
-    """Groups through the rollout worker vs the engine directly (same prompts and seeds)."""
+    """Groups through the rollout worker vs the engine directly, and the engine with prompts
+    shared vs run in full (same prompts and seeds)."""
     from flywheel.bench.rollout import run_bench
 
-    result = run_bench(groups, group_size=group_size, max_tokens=max_tokens)
+    result = run_bench(groups, group_size=group_size, max_tokens=max_tokens, worker=worker)
     print_result(result, as_json)
 
 

@@ -19,4 +19,5 @@ def make_policy(settings: Settings) -> Policy:
     from flywheel.policy.local import LocalPolicy
     from flywheel.policy.model_cache import resolve_model_dir
 
-    return LocalPolicy(resolve_model_dir(cfg.model_dir), policy_name=settings.policy)
+    return LocalPolicy(resolve_model_dir(cfg.model_dir), policy_name=settings.policy,
+                       prefix_cache_mb=cfg.prefix_cache_mb)

@@ -9,6 +9,12 @@ on EOS keeps the EOS token (and its log-prob) in `token_ids`, not in `text`, so 
 learns to stop; one cut by a stop string or JSON end keeps tokens up to the one that completed
 it, while its text ends exactly at the stop.
 
+Each distinct prompt of a call runs once and its rows sample from copies of its keys/values
+(`flywheel.policy.decode`); the shared start of prompts (system prompt, tools, earlier turns)
+is kept across calls in a prefix cache per adapter (`flywheel.policy.prefix_cache`), dropped
+with the adapter. `share_prompts=False` samples through `generate`, every row running its
+prompt in full: the reference the shared path is tested against.
+
 Import this module lazily: it imports torch, transformers and peft at module level.
 """
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -41,8 +48,11 @@ from flywheel.policy.base import (
     SamplingParams,
     json_object_end,
 )
+from flywheel.policy.decode import PromptKV, Seen, encode_cached, sample_rows, share_blocker
 from flywheel.policy.logprobs import sequence_logprobs, token_logprobs
+from flywheel.policy.prefix_cache import PrefixCache
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 Messages = Sequence[dict[str, Any]]
 
@@ -91,7 +101,8 @@ class LocalPolicy:
     """The Policy protocol served in-process; adapters are PEFT LoRA directories."""
 
     def __init__(self, model_dir: Path, *, policy_name: str = "policy", device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, max_batch: int = 8) -> None:
+                 dtype: torch.dtype = torch.float32, max_batch: int = 8,
+                 prefix_cache_mb: float = 256.0, share_prompts: bool = True) -> None:
         self.policy_name, self.max_batch = policy_name, max_batch
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.tokenizer.padding_side = "left"
@@ -110,6 +121,9 @@ class LocalPolicy:
         self._adapter_paths: dict[str, Path] = {}
         """Every adapter name ever loaded → its directory; kept after retiring (immutability)."""
         self._loaded: set[str] = set()
+        self.prefix_cache: PrefixCache[PromptKV] = PrefixCache(int(prefix_cache_mb * 2**20))
+        """Encoded prompts by (adapter name, token ids); only the worker thread touches it."""
+        self.share_prompts = share_prompts and self._can_share()
         self._worker: ThreadPoolExecutor | None = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="flywheel-policy")
 
@@ -135,6 +149,7 @@ class LocalPolicy:
         worker, self._worker = self._worker, None
         if worker is not None:
             await asyncio.to_thread(worker.shutdown, wait=True)
+            self.prefix_cache.clear()
             del self.model
             gc.collect()
 
@@ -202,6 +217,7 @@ class LocalPolicy:
         self._loaded.add(name)
 
     def _retire_sync(self, name: str) -> None:
+        self.prefix_cache.drop_adapter(name)  # their keys/values came from these weights
         if name not in self._loaded:
             return
         assert isinstance(self.model, PeftModel)
@@ -223,9 +239,34 @@ class LocalPolicy:
             # fork_rng: a seed pins these samples without touching anyone else's RNG stream.
             if params.seed is not None:
                 torch.manual_seed(params.seed)
+            encoded: Seen = {}
             for start in range(0, len(rows), self.max_batch):
-                out += self._generate(rows[start:start + self.max_batch], params, name)
+                batch = rows[start:start + self.max_batch]
+                out += (self._generate_shared(batch, params, name, encoded) if self.share_prompts
+                        else self._generate(batch, params, name))
         return out
+
+    def _can_share(self) -> bool:
+        reason = share_blocker(self.model)
+        if reason is not None:
+            log.warning("prompts are not shared: %s; every row runs its prompt in full", reason)
+        return reason is None
+
+    def _generate_shared(self, rows: list[list[int]], params: SamplingParams, name: str | None,
+                         seen: Seen) -> list[Completion]:
+        started = time.monotonic()
+        watch = _StopWatch(self._decode, 0, params)
+        with torch.no_grad():
+            prompts = [encode_cached(self.model, r, name, self.prefix_cache, seen) for r in rows]
+            new, lps = sample_rows(
+                self.model, [p for p, _ in prompts], params, eos_ids=self._eos_ids,
+                pad_id=self._pad_id,
+                stop=(lambda t: watch(cast(torch.LongTensor, t), None))
+                if params.stop or params.stop_at_json_end else None)
+        batch_ms = (time.monotonic() - started) * 1000
+        return [self._completion(rows[i], new[i].tolist(), lps[i].tolist(), watch.stopped_at.get(i),
+                                 params, name, batch_ms, len(rows), cached=prompts[i][1])
+                for i in range(len(rows))]
 
     def _generate(self, rows: list[list[int]], params: SamplingParams,
                   name: str | None) -> list[Completion]:
@@ -259,7 +300,7 @@ class LocalPolicy:
 
     def _completion(self, prompt: list[int], tokens: list[int], lps: list[float],
                     stopped_at: int | None, params: SamplingParams, name: str | None,
-                    batch_ms: float, batch_size: int) -> Completion:
+                    batch_ms: float, batch_size: int, cached: int = 0) -> Completion:
         eos_at = next((i for i, tok in enumerate(tokens) if tok in self._eos_ids), None)
         ends = [i + 1 for i in (stopped_at, eos_at) if i is not None]
         keep = min(ends) if ends else len(tokens)
@@ -268,7 +309,8 @@ class LocalPolicy:
         return Completion(
             text=text if cut is None else text[:cut], token_ids=tokens[:keep], logprobs=lps[:keep],
             prompt_token_ids=list(prompt), finish_reason="stop" if ends else "length", adapter=name,
-            latency_ms=batch_ms / batch_size, extra={"batch_ms": batch_ms})
+            latency_ms=batch_ms / batch_size,
+            extra={"batch_ms": batch_ms, "cached_prompt_tokens": cached})
 
     def _decode(self, tokens: list[int]) -> str:
         return str(self.tokenizer.decode(tokens, skip_special_tokens=True))

@@ -12,14 +12,14 @@ last position, so that logit is kept (and cut) the same way.
 The same cut works one level up: the prompts of a batch mostly share their instructions and
 tool list, so that common prefix can run once too, each prompt continuing it (`parent`).
 Only full-attention decoders (Llama, SmolLM2): a sliding-window layer would need its window
-applied across the cut.
+applied across the cut. The cache helpers are `flywheel.policy.kv`'s, which the local engine
+samples with too.
 
 Import this module lazily: it imports torch and transformers.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from flywheel.policy.kv import cache_kwarg, cache_tensors, kv_cache
 from flywheel.policy.logprobs import token_logprobs
 
 
@@ -46,20 +47,9 @@ class EncodedPrompt:
     def last_logits(self) -> Tensor:
         return self.leaves[-1]
 
-
-def _cache_kwarg(model: Any) -> str:
-    """transformers 5.x names the cache argument `cache`; older versions `past_key_values`."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
-
-
-def _cache(leaves: Sequence[Tensor], n: int) -> DynamicCache:
-    """A fresh cache holding the prompt's keys/values for n rows (its own copy: the leaves are
-    never mutated, so a prompt can serve any number of forwards)."""
-    kv = leaves[:-1]
-    return DynamicCache(ddp_cache_data=[
-        (kv[j].expand(n, -1, -1, -1), kv[j + 1].expand(n, -1, -1, -1))
-        for j in range(0, len(kv), 2)])
+    @property
+    def kv(self) -> list[Tensor]:
+        return self.leaves[:-1]
 
 
 def encode_prompt(model: Any, prompt_ids: Sequence[int],
@@ -71,13 +61,12 @@ def encode_prompt(model: Any, prompt_ids: Sequence[int],
     """
     device = next(model.parameters()).device
     start = 0 if parent is None else parent.length
-    cache = DynamicCache() if parent is None else _cache(parent.leaves, 1)
+    cache = DynamicCache() if parent is None else kv_cache(parent.kv, 1)
     positions = torch.arange(start, start + len(prompt_ids), device=device)[None]
     out = model(input_ids=torch.tensor([list(prompt_ids)], device=device),
                 position_ids=positions, use_cache=True, logits_to_keep=1,
-                **{_cache_kwarg(model): cache})
-    layers: list[Any] = list(cache.layers)
-    tensors = [*(t for layer in layers for t in (layer.keys, layer.values)), out.logits[:, -1]]
+                **{cache_kwarg(model): cache})
+    tensors = [*cache_tensors(cache), out.logits[:, -1]]
     length = start + len(prompt_ids)
     if not torch.is_grad_enabled():
         return EncodedPrompt(length, tensors, [])
@@ -123,7 +112,7 @@ def completion_scores(model: Any, prompt: EncodedPrompt, completions: Sequence[S
         # real token see it; positions continue from the prompt's.
         positions = torch.arange(prompt.length, prompt.length + k - 1, device=device)
         logits = model(input_ids=ids[:, :-1], position_ids=positions[None].expand(n, -1),
-                       use_cache=True, **{_cache_kwarg(model): _cache(prompt.leaves, n)}
+                       use_cache=True, **{cache_kwarg(model): kv_cache(prompt.kv, n)}
                        ).logits                                                  # [n, K-1, V]
         logp = torch.cat([logp, token_logprobs(logits, ids[:, 1:], temperature)], dim=1)
         if hit is not None:
