@@ -3,27 +3,39 @@
 Subscribes: `<prefix>.trajectories` (its own group `miner.group_id`), batches.
 Writes:     `failures` (classification + evidence, one per failed trajectory),
             `session_successes`, `tasks` (deduplicated by fingerprint, split train/holdout),
-            `task_sources` (provenance), `events` + `outbox`.
-Publishes (through the outbox): `TaskCreated` → `<prefix>.tasks`.
+            `task_sources` (provenance), `dead_letters` (consumer `miner`), `events` + `outbox`.
+Publishes (through the outbox): `TaskCreated` → `<prefix>.tasks`, `RecordParked` →
+            `<prefix>.parked`.
 
-Invalid payloads are skipped here (ingest dead-letters them). Offsets are committed only
-after the batch's transaction commits; redelivery is a no-op (keyed on trajectory_id).
+Invalid payloads are skipped here: the decision is ingest's own (`flywheel.ingest.decode`),
+and ingest dead-letters them. A trajectory that cannot be mined is parked as the miner's dead
+letter while the rest of its batch is mined (`flywheel.runtime.consume`); transient failures
+are retried with backoff. Offsets are committed only after the batch's transaction commits;
+redelivery is a no-op (keyed on trajectory_id).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from aiokafka import ConsumerRecord
-from faststream import AckPolicy, FastStream
+from faststream import FastStream
 from faststream.kafka import KafkaBroker
-from faststream.message import StreamMessage
+from faststream.kafka.annotations import KafkaMessage
 
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
 from flywheel.ingest.decode import decode
 from flywheel.mining.service import mine_batch
+from flywheel.runtime.consume import (
+    RetryPolicy,
+    handle,
+    parker,
+    records_of,
+    subscribe_batch,
+)
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
 from flywheel.runtime.service import run_faststream
 from flywheel.schemas import Trajectory
@@ -31,39 +43,29 @@ from flywheel.schemas import Trajectory
 log = logging.getLogger("flywheel.miner")
 
 
-async def _raw_batch(msg: StreamMessage[Any]) -> Any:
-    return msg.raw_message
-
-
 def build_app(settings: Settings) -> FastStream:
     cfg = settings.miner
     broker = KafkaBroker(resolve_bootstrap(settings), logger=log)
     engine = make_engine(resolve_db_url(settings), pool_size=2)
     max_bytes = settings.ingest.max_payload_bytes
+    policy = RetryPolicy.of(settings.retry)
+    park = parker(engine, "miner", settings.topics)
 
-    @broker.subscriber(
-        settings.topics.trajectories,
-        group_id=cfg.group_id,
-        ack_policy=AckPolicy.NACK_ON_ERROR,
-        batch=True,
-        max_records=cfg.batch_max_records,
-        auto_offset_reset="earliest",
-        session_timeout_ms=settings.kafka.session_timeout_ms,
-        heartbeat_interval_ms=settings.kafka.heartbeat_interval_ms,
-        decoder=_raw_batch,
-    )
-    async def mine(batch: Any) -> None:
-        records: tuple[ConsumerRecord[bytes, bytes], ...] = batch
+    async def mine(records: Sequence[ConsumerRecord[bytes, bytes]]) -> None:
         parsed = [decode(r.value or b"", max_bytes=max_bytes) for r in records]
         trajectories = [t for t in parsed if isinstance(t, Trajectory)]
         async with engine.begin() as conn:
-            stats = await mine_batch(conn, trajectories,
-                                     holdout_fraction=cfg.holdout_fraction,
+            stats = await mine_batch(conn, trajectories, holdout_fraction=cfg.holdout_fraction,
                                      topics=settings.topics)
         if stats.failures or stats.upgraded:
             log.info("mined %d failures: %d new tasks, %d joined, %d unverifiable, "
                      "%d upgraded by retries", stats.failures, stats.tasks_created,
                      stats.tasks_joined, stats.unverifiable, stats.upgraded)
+
+    @subscribe_batch(broker, settings.topics.trajectories, settings, cfg.group_id,
+                     max_records=cfg.batch_max_records)
+    async def on_batch(batch: Any, msg: KafkaMessage) -> None:
+        await handle(records_of(batch), msg.consumer, mine, park, policy, logger=log)
 
     app = FastStream(broker, logger=log)
 

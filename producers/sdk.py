@@ -25,8 +25,9 @@ from aiokafka import errors as kafka_errors
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_fixed
 
 from flywheel.config import Settings
+from flywheel.ingest.decode import check_trajectory, validate_record
 from flywheel.runtime.endpoints import resolve_bootstrap
-from flywheel.schemas import Trajectory, parse_trajectory
+from flywheel.schemas import Trajectory
 from producers.spool import Record, Spool, encode
 
 log = logging.getLogger(__name__)
@@ -59,14 +60,24 @@ def is_retryable(exc: BaseException) -> bool:
     return isinstance(exc, kafka_errors.KafkaError) and bool(exc.retriable)
 
 
-def _validate(record: object) -> Trajectory:
+def serialize(trajectory: Trajectory | dict[str, Any]) -> tuple[Trajectory, bytes]:
+    """The trajectory and the exact bytes to publish, judged by ingest's own boundary
+    (`flywheel.ingest.decode`): `ValueError` for anything ingest would dead-letter, whatever
+    the input (a dict of any shape, or a `Trajectory` holding an unstorable value)."""
+    if isinstance(trajectory, Trajectory):
+        problem = check_trajectory(trajectory)
+        traj = trajectory
+    else:
+        result = validate_record(trajectory)
+        if isinstance(result, tuple):
+            raise ValueError(f"invalid trajectory: {result[1]}")
+        traj, problem = result, None
+    if problem is not None:
+        raise ValueError(f"invalid trajectory: {problem}")
     try:
-        return parse_trajectory(record)
-    except ValueError as exc:
-        errors = getattr(exc, "errors", None)  # pydantic: one line per field beats its dump
-        detail = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}"
-                           for e in errors()) if callable(errors) else str(exc)
-        raise ValueError(f"invalid trajectory: {detail}") from exc
+        return traj, traj.model_dump_json(exclude_none=True).encode()
+    except Exception as exc:  # e.g. a Python object in metadata with no JSON form
+        raise ValueError(f"invalid trajectory: it cannot be serialized ({exc})") from exc
 
 
 class FlywheelClient:
@@ -144,10 +155,10 @@ class FlywheelClient:
         self._task = asyncio.create_task(self._run(), name=f"flywheel-sdk:{self._topic}")
 
     async def log(self, trajectory: Trajectory | dict[str, Any]) -> uuid.UUID:
-        """Validate and enqueue one trajectory; returns its id. Raises ValueError if invalid."""
-        traj = trajectory if isinstance(trajectory, Trajectory) else _validate(trajectory)
-        await self._enqueue(str(traj.trajectory_id).encode(),
-                            traj.model_dump_json(exclude_none=True).encode())
+        """Validate and enqueue one trajectory; returns its id. Raises ValueError if invalid
+        (for any record ingest would dead-letter: the same decision, see `serialize`)."""
+        traj, value = serialize(trajectory)
+        await self._enqueue(str(traj.trajectory_id).encode(), value)
         return traj.trajectory_id
 
     async def log_raw(self, value: bytes, key: bytes | None = None) -> None:

@@ -116,7 +116,7 @@ def test_every_event_type_has_one_topic() -> None:
     topics = Topics.for_prefix("p")
     union = get_args(get_args(Event)[0])
     types = [cls.model_fields["type"].default for cls in union]
-    assert len(types) == 12
+    assert len(types) == 13
     assert {t: topics.for_event(t) for t in types}["GroupScored"] == "p.rollouts"
     assert {topics.for_event(t) for t in types} <= set(topics.all())
     with pytest.raises(KeyError, match=r"add it to Topics\.for_event"):

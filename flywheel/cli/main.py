@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import sys
 from pathlib import Path
@@ -116,6 +117,8 @@ def status(as_json: JsonOpt = False) -> None:
     table = Table(title="flywheel status", show_header=False)
     for key in ("trajectories", "failures", "dlq", "outbox_pending", "events"):
         table.add_row(key, str(data[key]))
+    for consumer, reasons in data["dlq_by_consumer"].items():
+        table.add_row(f"  dlq {consumer}", ", ".join(f"{r} {n}" for r, n in reasons.items()))
     for group, lag in data["lag"].items():
         table.add_row(f"lag {group}", str(lag["total"]))
     Console().print(table)
@@ -135,7 +138,9 @@ def publish(
 
     if file != "-" and not Path(file).exists():
         _fail(f"no such file: {file}")
-    stream = sys.stdin if file == "-" else open(file, encoding="utf-8")
+    # surrogateescape: a line that is not UTF-8 is reported as invalid, not a crash mid-file
+    stream = (io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="surrogateescape")
+              if file == "-" else open(file, encoding="utf-8", errors="surrogateescape"))
     try:
         report = asyncio.run(publish_lines(_settings(), stream, raw=raw, strict=strict,
                                            progress=not as_json))
@@ -143,7 +148,7 @@ def publish(
         _fail(str(exc))
         return
     finally:
-        if stream is not sys.stdin:
+        if file != "-":
             stream.close()
     if as_json:
         print(json.dumps(report, sort_keys=True))

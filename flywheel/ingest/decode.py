@@ -1,20 +1,31 @@
-"""Ingest logic with no I/O: raw Kafka records → trajectory rows and dead letters.
+"""The decoding boundary (no I/O): raw records → trajectories, rows and dead letters.
+
+One decision for every path: ingest (`classify_one`), the miner (`decode`), the HTTP
+gateway, the SDK and `flywheel publish` (`validate_record`, `check_trajectory`). Nothing
+here raises on input: any failure to decode or validate one record is that record's
+rejection with a readable reason, so no record can take its batch with it. Value ranges
+Postgres cannot store (`flywheel.ingest.storable`, timestamps and integers in
+`flywheel.schemas`) are schema errors here, never database errors later.
 
 Accepts the v1 format and Chat Completions transcripts on the same topic. Three tiers, each
-a fallback for the one before: the msgspec fast path (`flywheel.ingest.fastpath`, canonical v1 only,
-no pydantic object), pydantic straight from bytes (still canonical v1), and the general path
-(decode, normalize, validate) which also produces the readable error for the DLQ.
+a fallback for the one before: the msgspec fast path (`flywheel.ingest.fastpath`, canonical
+v1 only, no pydantic object), pydantic straight from bytes (still canonical v1), and the
+general path (decode, check storability, normalize, validate) which also produces the
+readable error for the DLQ. Payloads whose bytes may hide an unstorable value take the
+general path directly.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import ValidationError
-from pydantic_core import PydanticSerializationError
 
+from flywheel.errors import describe
 from flywheel.events import (
     DeadLettered,
     DeadLetterPayload,
@@ -22,13 +33,32 @@ from flywheel.events import (
     TrajectoriesIngested,
     TrajectoriesIngestedPayload,
     derived_event_id,
+    preview,
+    storable_text,
 )
-from flywheel.ingest.fastpath import RowData, cannot_be_canonical, fast_decode
+from flywheel.ingest.fastpath import (
+    RowData,
+    cannot_be_canonical,
+    fast_decode,
+    has_huge_number,
+    too_deep,
+)
+from flywheel.ingest.storable import TOO_DEEP, unstorable
 from flywheel.schemas import Trajectory, parse_trajectory
 
-Reason = Literal["not_json", "schema", "too_large"]
-_TOO_DEEP = ("arrays/objects are nested too deeply to store; keep nesting under 200 levels "
-             "(e.g. send deep values as JSON strings)")
+log = logging.getLogger("flywheel.ingest")
+
+Reason = Literal["not_json", "schema", "too_large", "unstorable"]
+"""Why a record is dead-lettered. `unstorable` is the last resort: Postgres refused a record
+that validation let through (a gap in validation; logged loudly), so no record can wedge a
+batch even then."""
+Rejection = tuple[Reason, str]
+# Bytes that may hide what only the decoded value shows (a NUL or surrogate escape, NaN,
+# Infinity, a number past a double, a huge integer): such payloads skip the fast tiers and
+# are checked value by value. False alarms (an emoji escape, `e100` in a string) only cost
+# the slower path.
+_SUSPECT = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])|NaN|Infinity|[eE][+-]?0*[1-9][0-9]{2}"
+                      rb"|[0-9]{309}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +96,40 @@ def describe_validation_error(err: ValidationError, limit: int = 5) -> str:
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
-def decode(value: bytes, *, max_bytes: int) -> Trajectory | tuple[Reason, str]:
+def validate_record(record: Any) -> Trajectory | Rejection:
+    """One decoded JSON value → a trajectory, or why not. Never raises: the one boundary
+    the gateway, the SDK, `flywheel publish`, ingest and the miner all decide with."""
+    problem = unstorable(record)
+    if problem is not None:
+        return "schema", problem
+    try:
+        return parse_trajectory(record)
+    except ValidationError as err:
+        return "schema", describe_validation_error(err)
+    except ValueError as err:
+        return "schema", str(err)
+    except Exception as err:  # a gap in our validation: refuse the record, say so loudly
+        log.error("dead-lettering a record that validation could not handle (%s); this is a "
+                  "bug in flywheel's validation", describe(err), exc_info=err)
+        return "schema", f"could not be read as a trajectory ({describe(err)})"
+
+
+def check_trajectory(t: Trajectory) -> str | None:
+    """Why a trajectory built in Python (not decoded) cannot be stored, or None."""
+    return unstorable(t.model_dump())
+
+
+def load_json(value: bytes) -> Any | Rejection:
+    """Parse JSON text; a `Rejection` (a tuple, never a JSON value) when it is not JSON."""
+    try:
+        return json.loads(value)
+    except RecursionError:  # valid JSON, only too deep for the parser
+        return "schema", TOO_DEEP
+    except ValueError as err:  # also bad UTF-8 and over-long integers
+        return "not_json", f"not valid JSON: {err}"
+
+
+def decode(value: bytes, *, max_bytes: int) -> Trajectory | Rejection:
     """One payload → a trajectory, or (reason, error) saying why it cannot be accepted."""
     if len(value) > max_bytes:
         return _too_large(value, max_bytes)
@@ -74,59 +137,36 @@ def decode(value: bytes, *, max_bytes: int) -> Trajectory | tuple[Reason, str]:
     return result
 
 
-def _too_large(value: bytes, max_bytes: int) -> tuple[Reason, str]:
+def _too_large(value: bytes, max_bytes: int) -> Rejection:
     return "too_large", f"payload is {len(value)} bytes; the limit is {max_bytes}"
 
 
-def _validate(value: bytes) -> tuple[Trajectory | tuple[Reason, str], bool]:
+def _plain(value: bytes) -> bool:
+    """Nothing in the bytes that only the decoded value can rule out (see `_SUSPECT`)."""
+    return _SUSPECT.search(value) is None and not too_deep(value) \
+        and not has_huge_number(value)
+
+
+def _validate(value: bytes) -> tuple[Trajectory | Rejection, bool]:
     """The pydantic tiers; the flag says the payload was canonical (validated as-is)."""
-    if not cannot_be_canonical(value):
+    if _plain(value) and not cannot_be_canonical(value):
         try:
             return Trajectory.model_validate_json(value), True
         except ValidationError:
             pass  # not canonical v1: chat format, missing id, unknown fields, or really invalid
-    try:
-        record = json.loads(value)
-    except ValueError as err:  # also over-long integers, beside JSONDecodeError/UnicodeError
-        return ("not_json", f"not valid JSON: {err}"), False
-    except RecursionError:  # bad input, not a crash: it would be redelivered forever
-        return ("not_json", _TOO_DEEP), False
-    try:
-        return parse_trajectory(record), False
-    except ValidationError as err:
-        return ("schema", describe_validation_error(err)), False
-    except ValueError as err:
-        return ("schema", str(err)), False
-    except RecursionError:  # deriving an id serializes the record
-        return ("schema", _TOO_DEEP), False
+    doc = load_json(value)
+    if isinstance(doc, tuple):
+        return doc, False
+    return validate_record(doc), False
 
 
-def _unstorable(value: bytes) -> str | None:
-    """Valid-looking JSON that Postgres' jsonb refuses: NUL characters, NaN/Infinity."""
-    if b"\x00" in value or b"\\u0000" in value:
-        return "contains a NUL character (\\u0000), which Postgres cannot store; remove it"
-    if b"NaN" in value or b"Infinity" in value:
-        def refuse(token: str) -> None:
-            raise ValueError(token)
-
-        try:
-            json.loads(value, parse_constant=refuse)
-        except ValueError as err:
-            if str(err) in {"NaN", "Infinity", "-Infinity"}:
-                return f"contains {err}, which is not valid JSON; send null or a number"
-        except RecursionError:
-            return None  # rejected later as too deep
-    return None
-
-
-def _classify_one(rec: RawRecord, max_bytes: int) -> Accepted | Rejected:
+def classify_one(rec: RawRecord, max_bytes: int) -> Accepted | Rejected:
+    """One Kafka record → its row or its dead letter. Never raises."""
     value = rec.value
     if len(value) > max_bytes:
         return Rejected(rec, *_too_large(value, max_bytes))
-    problem = _unstorable(value)
-    if problem is not None:
-        return Rejected(rec, "schema", problem)
-    row = fast_decode(value)
+    plain = _plain(value)
+    row = fast_decode(value) if plain else None
     if row is not None:
         return Accepted(rec, row, value.decode())
     result, canonical = _validate(value)
@@ -136,8 +176,8 @@ def _classify_one(rec: RawRecord, max_bytes: int) -> Accepted | Rejected:
         return Accepted(rec, RowData.of(result), value.decode())
     try:
         record_json = result.model_dump_json(exclude_none=True)
-    except (PydanticSerializationError, RecursionError):
-        return Rejected(rec, "schema", _TOO_DEEP)
+    except Exception as err:  # unreachable after `unstorable`; refused, never raised
+        return Rejected(rec, "schema", f"could not be serialized ({describe(err)})")
     return Accepted(rec, RowData.of(result), record_json)
 
 
@@ -145,7 +185,7 @@ def classify(records: list[RawRecord], *, max_bytes: int) -> tuple[list[Accepted
     accepted: list[Accepted] = []
     rejected: list[Rejected] = []
     for rec in records:
-        outcome = _classify_one(rec, max_bytes)
+        outcome = classify_one(rec, max_bytes)
         if isinstance(outcome, Accepted):
             accepted.append(outcome)
         else:
@@ -161,9 +201,8 @@ def dead_letter_event(r: Rejected) -> DeadLettered:
         aggregate_id=f"{src.topic}/{src.partition}/{src.offset}",
         payload=DeadLetterPayload(
             source_topic=src.topic, partition=src.partition, offset=src.offset,
-            reason=r.reason, error=r.error, size_bytes=len(src.value),
-            raw_preview=src.value[:1024].decode("utf-8", errors="replace").replace(
-                "\x00", "\ufffd"),
+            reason=r.reason, error=storable_text(r.error), size_bytes=len(src.value),
+            raw_preview=preview(src.value),
         ),
     )
 

@@ -7,7 +7,6 @@ request in its session.
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -20,8 +19,6 @@ from flywheel.mining.build import Unverifiable, build_task, expected_calls, requ
 from flywheel.mining.classify import Labeller, classify_failure
 from flywheel.schemas import Trajectory
 
-log = logging.getLogger("flywheel.miner")
-
 
 @dataclass
 class MineStats:
@@ -31,7 +28,6 @@ class MineStats:
     unverifiable: int = 0
     upgraded: int = 0
     redelivered: int = 0
-    errors: int = 0
     modes: Counter[str] = field(default_factory=Counter)
 
 
@@ -70,8 +66,9 @@ async def _lock_request(conn: AsyncConnection, session_id: str, key: str) -> Non
 
 async def mine_batch(conn: AsyncConnection, batch: list[Trajectory], *, holdout_fraction: float,
                      topics: Topics, labeller: Labeller | None = None) -> MineStats:
-    """Each trajectory in its own savepoint: one that cannot be mined is logged and skipped,
-    never allowed to wedge the partition."""
+    """Mine a batch in the caller's transaction. Errors propagate: the caller retries what
+    is transient and narrows anything else down to the trajectory that fails, which is
+    parked (`flywheel.runtime.consume.settle`), never skipped in silence."""
     stats = MineStats()
     for t in batch:
         if t.is_failure or t.session_id is None:
@@ -79,32 +76,20 @@ async def mine_batch(conn: AsyncConnection, batch: list[Trajectory], *, holdout_
         key = request_key(t)
         if key is None:
             continue
-        try:
-            async with conn.begin_nested():
-                await _lock_request(conn, t.session_id, key)
-                await store.record_success(conn, t, key)
-                for failed, _mode in await store.unverified_failures(conn, t.session_id, key):
-                    if await _task_for(conn, failed, t, stats,
-                                       holdout_fraction=holdout_fraction,
-                                       topics=topics, labeller=labeller,
-                                       claim=False):
-                        stats.upgraded += 1
-        except Exception as err:
-            stats.errors += 1
-            log.error("could not record success %s: %s", t.trajectory_id, err)
+        await _lock_request(conn, t.session_id, key)
+        await store.record_success(conn, t, key)
+        for failed, _mode in await store.unverified_failures(conn, t.session_id, key):
+            if await _task_for(conn, failed, t, stats, holdout_fraction=holdout_fraction,
+                               topics=topics, labeller=labeller, claim=False):
+                stats.upgraded += 1
     for t in batch:
         if not t.is_failure:
             continue
         key = request_key(t)
-        try:
-            async with conn.begin_nested():
-                retry = None
-                if t.session_id is not None and key is not None:
-                    await _lock_request(conn, t.session_id, key)
-                    retry = await store.find_success(conn, t.session_id, key)
-                await _task_for(conn, t, retry, stats, holdout_fraction=holdout_fraction,
-                                topics=topics, labeller=labeller, claim=True)
-        except Exception as err:
-            stats.errors += 1
-            log.error("could not mine failure %s: %s", t.trajectory_id, err)
+        retry = None
+        if t.session_id is not None and key is not None:
+            await _lock_request(conn, t.session_id, key)
+            retry = await store.find_success(conn, t.session_id, key)
+        await _task_for(conn, t, retry, stats, holdout_fraction=holdout_fraction,
+                        topics=topics, labeller=labeller, claim=True)
     return stats
