@@ -48,6 +48,9 @@ _TRANSIENT_TYPES = frozenset({
     "asyncpg.PostgresConnectionError", "asyncpg.TransactionRollbackError",
     "asyncpg.OperatorInterventionError", "asyncpg.InsufficientResourcesError",
     "asyncpg.InterfaceError",
+    # A database not migrated yet (or mid-migration) heals when `flywheel migrate` runs; it
+    # must not park every message that meets it.
+    "asyncpg.UndefinedTableError", "asyncpg.UndefinedColumnError",
     # aiokafka marks most of its transient errors `retriable`; a client timeout is not.
     "aiokafka.KafkaTimeoutError",
     "httpx.TransportError",
@@ -92,7 +95,7 @@ def _transient_by_kind(exc: BaseException) -> bool | None:
     """True/False when this one error decides; None to look at its cause."""
     if isinstance(exc, TransientError):
         return True
-    if isinstance(exc, PermanentError | _PERMANENT_OS_ERRORS):
+    if isinstance(exc, (PermanentError, *_PERMANENT_OS_ERRORS)):
         return False
     names = _names(exc)
     if names & _TRANSIENT_TYPES:
