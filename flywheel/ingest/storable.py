@@ -68,7 +68,9 @@ def unstorable(doc: Any) -> str | None:
     while stack:
         node, depth, path = stack.pop()
         if depth > MAX_DEPTH:
-            return f"{_where(path)}: {TOO_DEEP}"
+            # No location: past a few hundred levels the JSON parser itself gives up first,
+            # at a depth that depends on the process, and the words must not.
+            return TOO_DEEP
         children = node.items() if isinstance(node, dict) else enumerate(node)
         pending = []
         for key, value in children:
