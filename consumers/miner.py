@@ -24,12 +24,15 @@ from aiokafka import ConsumerRecord
 from faststream import FastStream
 from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
 from flywheel.ingest.decode import decode
 from flywheel.mining.service import mine_batch
 from flywheel.runtime.consume import (
+    Park,
+    Process,
     RetryPolicy,
     handle,
     parker,
@@ -43,13 +46,10 @@ from flywheel.schemas import Trajectory
 log = logging.getLogger("flywheel.miner")
 
 
-def build_app(settings: Settings) -> FastStream:
+def miner_handlers(settings: Settings, engine: AsyncEngine) -> tuple[Process, Park]:
+    """The miner's work on a batch, and how it parks a record (`build_app` wires them)."""
     cfg = settings.miner
-    broker = KafkaBroker(resolve_bootstrap(settings), logger=log)
-    engine = make_engine(resolve_db_url(settings), pool_size=2)
     max_bytes = settings.ingest.max_payload_bytes
-    policy = RetryPolicy.of(settings.retry)
-    park = parker(engine, "miner", settings.topics)
 
     async def mine(records: Sequence[ConsumerRecord[bytes, bytes]]) -> None:
         parsed = [decode(r.value or b"", max_bytes=max_bytes) for r in records]
@@ -62,8 +62,17 @@ def build_app(settings: Settings) -> FastStream:
                      "%d upgraded by retries", stats.failures, stats.tasks_created,
                      stats.tasks_joined, stats.unverifiable, stats.upgraded)
 
-    @subscribe_batch(broker, settings.topics.trajectories, settings, cfg.group_id,
-                     max_records=cfg.batch_max_records)
+    return mine, parker(engine, "miner", settings.topics)
+
+
+def build_app(settings: Settings) -> FastStream:
+    broker = KafkaBroker(resolve_bootstrap(settings), logger=log)
+    engine = make_engine(resolve_db_url(settings), pool_size=2)
+    policy = RetryPolicy.of(settings.retry)
+    mine, park = miner_handlers(settings, engine)
+
+    @subscribe_batch(broker, settings.topics.trajectories, settings, settings.miner.group_id,
+                     max_records=settings.miner.batch_max_records)
     async def on_batch(batch: Any, msg: KafkaMessage) -> None:
         await handle(records_of(batch), msg.consumer, mine, park, policy, logger=log)
 

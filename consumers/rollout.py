@@ -25,16 +25,19 @@ from aiokafka import ConsumerRecord
 from faststream import FastStream
 from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from flywheel.adapters.resolver import AdapterResolver
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
 from flywheel.errors import Failure, InvalidRecord
 from flywheel.events import RolloutRequested
+from flywheel.policy.base import Policy
 from flywheel.policy.factory import make_policy
 from flywheel.rollout.service import handle_request, mark_failed, worker_name
 from flywheel.runtime.consume import (
+    Park,
+    Process,
     RetryPolicy,
     handle,
     parker,
@@ -48,14 +51,10 @@ from flywheel.runtime.service import run_faststream
 log = logging.getLogger("flywheel.rollout")
 
 
-def build_app(settings: Settings) -> FastStream:
-    broker = KafkaBroker(resolve_bootstrap(settings), logger=log)
-    engine = make_engine(resolve_db_url(settings), pool_size=2)
-    policy = make_policy(settings)
-    worker = worker_name()
-    adapters = AdapterResolver(engine, settings)
-    retry = RetryPolicy.of(settings.retry)
-
+def rollout_handlers(settings: Settings, engine: AsyncEngine, policy: Policy,
+                     adapters: AdapterResolver, worker: str) -> tuple[Process, Park]:
+    """A worker's work on a request, and how it parks one: the request is marked failed in
+    the same transaction, so it stops holding admission budget (`build_app` wires them)."""
     async def fail(conn: AsyncConnection, record: ConsumerRecord[bytes, bytes],
                    failure: Failure) -> None:
         try:
@@ -64,8 +63,6 @@ def build_app(settings: Settings) -> FastStream:
             return  # no request id to fail
         if isinstance(event, RolloutRequested):
             await mark_failed(conn, event.payload.request_id)
-
-    park = parker(engine, "rollout", settings.topics, also=fail)
 
     async def serve(records: Sequence[ConsumerRecord[bytes, bytes]]) -> None:
         for record in records:
@@ -79,6 +76,17 @@ def build_app(settings: Settings) -> FastStream:
                 log.info("group %s: %d scored, mean reward %s, trainable %s",
                          event.payload.request_id, len(outcome.scored), outcome.reward_mean,
                          outcome.trainable)
+
+    return serve, parker(engine, "rollout", settings.topics, also=fail)
+
+
+def build_app(settings: Settings) -> FastStream:
+    broker = KafkaBroker(resolve_bootstrap(settings), logger=log)
+    engine = make_engine(resolve_db_url(settings), pool_size=2)
+    policy = make_policy(settings)
+    retry = RetryPolicy.of(settings.retry)
+    serve, park = rollout_handlers(settings, engine, policy, AdapterResolver(engine, settings),
+                                   worker_name())
 
     # A group on CPU can take minutes; admission may hold a request longer still.
     @subscribe(broker, settings.topics.rollout_requests, settings, settings.rollout.group_id,

@@ -46,6 +46,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("flywheel.consume")
 T = TypeVar("T")
 R = TypeVar("R")
+Process = Callable[[Sequence["ConsumerRecord[bytes, bytes]"]], Awaitable[None]]
+"""A consumer's work on some records, in one transaction (all or nothing)."""
+Park = Callable[["ConsumerRecord[bytes, bytes]", Failure], Awaitable[None]]
+"""How a consumer durably records one record it gives up on."""
 
 
 def subscribe(broker: KafkaBroker, topic: str, settings: Settings, group_id: str, *,
@@ -202,8 +206,7 @@ async def settle(items: Sequence[R], process: Callable[[Sequence[R]], Awaitable[
 
 def parker(engine: AsyncEngine, consumer: str, topics: Topics, *,
            also: Callable[[AsyncConnection, ConsumerRecord[bytes, bytes], Failure],
-                          Awaitable[None]] | None = None
-           ) -> Callable[[ConsumerRecord[bytes, bytes], Failure], Awaitable[None]]:
+                          Awaitable[None]] | None = None) -> Park:
     """`park` for `settle` over Kafka records: the record as a dead letter of `consumer`
     (and `also`, the consumer's own bookkeeping) in one transaction."""
     async def park(record: ConsumerRecord[bytes, bytes], failure: Failure) -> None:
@@ -217,9 +220,8 @@ def parker(engine: AsyncEngine, consumer: str, topics: Topics, *,
 
 
 async def handle(records: Sequence[ConsumerRecord[bytes, bytes]], consumer: AIOKafkaConsumer,
-                 process: Callable[[Sequence[ConsumerRecord[bytes, bytes]]], Awaitable[None]],
-                 park: Callable[[ConsumerRecord[bytes, bytes], Failure], Awaitable[None]],
-                 policy: RetryPolicy, *, logger: logging.Logger = log) -> int:
+                 process: Process, park: Park, policy: RetryPolicy, *,
+                 logger: logging.Logger = log) -> int:
     """A handler's whole job: settle the records, then commit them. If anything escapes
     (cancellation, or parking failing for good), they are rewound first, so no later commit
     can pass them; a failure also pauses, so it cannot turn into a hot loop."""

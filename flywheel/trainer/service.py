@@ -238,6 +238,7 @@ class TrainerService:
                 items.append(_Pending(tp, r.offset, event.payload))
         if unreadable:
             await self._park(unreadable)
+        parked = bool(unreadable)
         if items:
             self.status.last_group_at = time.monotonic()
         done = await self._already_consumed([p.group.group_id for p in items])
@@ -259,11 +260,14 @@ class TrainerService:
                     self.batch = chunk + self.batch  # retried with the next fetch
                     raise
                 await self._park_step(chunk, err)
+                parked = True
                 continue
             if self.steps_since_publish >= self.settings.trainer.publish_every:
                 await self.publish(consumer)
         if self.stale:
             await self._record_stale(consumer)
+        elif parked:
+            await self._commit(consumer)  # parked records are durable: their offsets may move
 
     async def _park(self, parked: list[Parked]) -> None:
         """Durably record messages this trainer cannot use; their offsets may then move."""
@@ -280,6 +284,7 @@ class TrainerService:
         """A step that fails for good (not an outage) parks its groups, loudly, instead of
         failing every later step: which group broke it is in the error."""
         failure = failure_of(err)
+        self.status.state = "waiting"
         log.error("a training step failed (%s); parking its %d groups", failure.error,
                   len(chunk), exc_info=err)
         await self._park([Parked("trainer", p.tp.topic, p.tp.partition, p.offset,
