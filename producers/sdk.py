@@ -25,6 +25,7 @@ from aiokafka import errors as kafka_errors
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_fixed
 
 from flywheel.config import Settings
+from flywheel.errors import is_transient
 from flywheel.ingest.decode import check_trajectory, validate_record
 from flywheel.runtime.endpoints import resolve_bootstrap
 from flywheel.schemas import Trajectory
@@ -38,14 +39,9 @@ MAX_RECORD_BYTES = 1_000_000
 """Largest key + value `log` accepts: below Kafka's default broker limit (message.max.bytes)."""
 _BATCH_BYTES = 512 * 1024  # per-partition request batch; aiokafka's 16 KiB costs a round trip each
 
-_TRANSIENT = (
-    kafka_errors.KafkaConnectionError, kafka_errors.KafkaTimeoutError,
-    kafka_errors.NodeNotReadyError, kafka_errors.RequestTimedOutError,
-    kafka_errors.NoBrokersAvailable, kafka_errors.NotLeaderForPartitionError,
-    kafka_errors.LeaderNotAvailableError, kafka_errors.UnknownTopicOrPartitionError,
-    kafka_errors.NotEnoughReplicasError, kafka_errors.NotEnoughReplicasAfterAppendError,
-    kafka_errors.ProducerClosed, TimeoutError, ConnectionError, asyncio.CancelledError,
-)
+# Beyond what is transient for everyone (flywheel.errors.is_transient): a producer closed
+# under a send, or a send cancelled with it, is retried from the spool too.
+_ALSO_RETRIED = (kafka_errors.ProducerClosed, asyncio.CancelledError)
 _REFUSED = (
     kafka_errors.MessageSizeTooLargeError, kafka_errors.RecordTooLargeError,
     kafka_errors.RecordListTooLargeError, kafka_errors.CorruptRecordException,
@@ -55,9 +51,7 @@ _REFUSED = (
 
 def is_retryable(exc: BaseException) -> bool:
     """Transient (broker unreachable, slow, electing a leader): the same send can succeed later."""
-    if isinstance(exc, _TRANSIENT):
-        return True
-    return isinstance(exc, kafka_errors.KafkaError) and bool(exc.retriable)
+    return isinstance(exc, _ALSO_RETRIED) or is_transient(exc)
 
 
 def serialize(trajectory: Trajectory | dict[str, Any]) -> tuple[Trajectory, bytes]:
