@@ -4,6 +4,7 @@ consumer's dead letter, with its error, and everything else in its batch goes th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 import consumers.miner
 import consumers.rollout
+from consumers.ingest import store
 from consumers.miner import miner_handlers
 from consumers.rollout import rollout_handlers
 from flywheel.config import Settings
@@ -27,6 +29,7 @@ from flywheel.events import (
     RolloutRequestedPayload,
     ScoredRollout,
 )
+from flywheel.ingest.decode import Accepted, RawRecord, classify_one
 from flywheel.runtime.consume import RetryPolicy, handle
 from flywheel.trainer.service import TrainerService
 
@@ -202,3 +205,28 @@ async def test_the_trainer_parks_unreadable_records_and_a_step_that_fails_for_go
     assert dead[1]["error"].startswith("IndexError: index out of range in self (at ")
     assert service.batch == [] and service.status.state == "waiting"
     assert consumer.commits[-1] == {TopicPartition(topic, 0): b + 1}  # all of it is durable
+
+
+async def test_ingest_turns_a_row_postgres_refuses_into_its_dead_letter(
+        settings: Settings, engine: AsyncEngine, pg_dsn: str) -> None:
+    """The last resort behind validation: should Postgres refuse a row validation let through,
+    that record becomes an `unstorable` dead letter and the rest of its batch is stored."""
+    topic = settings.topics.trajectories
+    outcomes = [classify_one(RawRecord(topic, 0, i, None, failure(f"a{i}", "s")), 1 << 20)
+                for i in range(8)]
+    assert all(isinstance(o, Accepted) for o in outcomes)
+    # jsonb refuses \u0000 in text: as if a check had missed it
+    outcomes[5] = dataclasses.replace(outcomes[5], record_json='{"x": "\\u0000"}')
+    await store(engine, settings.topics, outcomes, FAST)
+    (dead,) = await dead_letters(pg_dsn)
+    assert (dead["consumer"], dead["offset"], dead["reason"]) == ("ingest", 5, "unstorable")
+    assert dead["error"].startswith("Postgres refused it (") and "validation" in dead["error"]
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        offsets = [r[0] for r in await conn.fetch(
+            "SELECT source_offset FROM trajectories ORDER BY 1")]
+        assert await conn.fetchval(
+            "SELECT count(*) FROM events WHERE type = 'DeadLettered'") == 1
+    finally:
+        await conn.close()
+    assert offsets == [0, 1, 2, 3, 4, 6, 7]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections import OrderedDict
 from datetime import UTC, datetime
 from typing import Any
 
@@ -226,7 +227,8 @@ def test_python_built_trajectories_are_checked_before_publishing() -> None:
     assert check_trajectory(good) is None
     assert serialize(good)[1] == good.model_dump_json(exclude_none=True).encode()
     for bad in (v1(metadata={"x": float("nan")}), v1(metadata={"x": "a\x00"}),
-                v1(metadata={"\ud800": 1})):
+                v1(metadata={"\ud800": 1}), v1(metadata={"x": ("ok", float("inf"))}),
+                v1(metadata={"x": OrderedDict(y=["\udfff"])})):
         t = Trajectory.model_validate(bad)  # pydantic alone lets these through
         assert check_trajectory(t) is not None
         with pytest.raises(ValueError, match="invalid trajectory"):

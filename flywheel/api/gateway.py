@@ -32,7 +32,7 @@ from pydantic import BaseModel
 from flywheel.api.app import create_app, settings_of
 from flywheel.api.auth import Principal, require_scope
 from flywheel.config import Settings
-from flywheel.ingest.decode import load_json, validate_record
+from flywheel.ingest.decode import load_json, sniff, validate_record
 from flywheel.runtime.endpoints import resolve_bootstrap
 from flywheel.schemas import Trajectory
 
@@ -99,7 +99,9 @@ def prepare(body: bytes, *, max_payload_bytes: int) -> list[Prepared]:
     is refused here exactly when, with the same reason and words, it would be dead-lettered
     if sent to Kafka directly.
     """
-    doc = load_json(body)
+    plain, doc = sniff(body)  # a plain body holds only plain records: no walk needed
+    if not plain:
+        doc = load_json(body)
     if isinstance(doc, tuple):  # a Rejection (decoded JSON is never a tuple)
         reason, error = doc
         if reason == "not_json":
@@ -114,7 +116,7 @@ def prepare(body: bytes, *, max_payload_bytes: int) -> list[Prepared]:
     invalid: list[str] = []
     too_large: list[str] = []
     for i, record in enumerate(records):
-        result = validate_record(record)
+        result = validate_record(record, plain=plain)
         if isinstance(result, tuple):
             invalid.append(f"trajectories[{i}]: {result[1]}")
             continue

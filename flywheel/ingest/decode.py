@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import msgspec
 from pydantic import ValidationError
 
 from flywheel.errors import describe
@@ -40,7 +41,6 @@ from flywheel.ingest.fastpath import (
     RowData,
     cannot_be_canonical,
     fast_decode,
-    has_huge_number,
     too_deep,
 )
 from flywheel.ingest.storable import TOO_DEEP, unstorable
@@ -53,12 +53,11 @@ Reason = Literal["not_json", "schema", "too_large", "unstorable"]
 that validation let through (a gap in validation; logged loudly), so no record can wedge a
 batch even then."""
 Rejection = tuple[Reason, str]
-# Bytes that may hide what only the decoded value shows (a NUL or surrogate escape, NaN,
-# Infinity, a number past a double, a huge integer): such payloads skip the fast tiers and
-# are checked value by value. False alarms (an emoji escape, `e100` in a string) only cost
-# the slower path.
-_SUSPECT = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])|NaN|Infinity|[eE][+-]?0*[1-9][0-9]{2}"
-                      rb"|[0-9]{309}")
+# A NUL or surrogate escape: only the decoded value can tell (`\\u0000` is no NUL).
+_ESCAPES = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])")
+# msgspec, untyped, refuses exactly what Python's json turns into NaN or infinity (NaN,
+# Infinity, 2e308, 400-digit floats), lone surrogates and over-long integers.
+_ANY_JSON = msgspec.json.Decoder()
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,10 +95,13 @@ def describe_validation_error(err: ValidationError, limit: int = 5) -> str:
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
-def validate_record(record: Any) -> Trajectory | Rejection:
+def validate_record(record: Any, *, plain: bool = False) -> Trajectory | Rejection:
     """One decoded JSON value → a trajectory, or why not. Never raises: the one boundary
-    the gateway, the SDK, `flywheel publish`, ingest and the miner all decide with."""
-    problem = unstorable(record)
+    the gateway, the SDK, `flywheel publish`, ingest and the miner all decide with.
+
+    `plain`: the value was decoded from a payload `sniff` found plain, so the storability
+    check (`unstorable`, a walk over every value) cannot find anything and is skipped."""
+    problem = None if plain else unstorable(record)
     if problem is not None:
         return "schema", problem
     try:
@@ -119,6 +121,22 @@ def check_trajectory(t: Trajectory) -> str | None:
     return unstorable(t.model_dump())
 
 
+def sniff(value: bytes) -> tuple[bool, Any]:
+    """(plain, doc). Plain: nothing in the payload that only the value check can judge (no
+    NUL or surrogate escape, no NaN, Infinity or number past a double, no over-long integer,
+    not too deep), so its decoded value is storable, and `doc` is that value (msgspec's
+    decoding, equal to `json.loads`'). Otherwise `(False, None)`: `load_json` it and check
+    the value. A false alarm (an emoji escape) only costs the slower path."""
+    if b"\\u" in value and _ESCAPES.search(value):
+        return False, None
+    if too_deep(value):
+        return False, None
+    try:
+        return True, _ANY_JSON.decode(value)
+    except (msgspec.DecodeError, RecursionError):
+        return False, None  # not JSON, or a value the fast tiers would keep, Postgres refuse
+
+
 def load_json(value: bytes) -> Any | Rejection:
     """Parse JSON text; a `Rejection` (a tuple, never a JSON value) when it is not JSON."""
     try:
@@ -133,7 +151,7 @@ def decode(value: bytes, *, max_bytes: int) -> Trajectory | Rejection:
     """One payload → a trajectory, or (reason, error) saying why it cannot be accepted."""
     if len(value) > max_bytes:
         return _too_large(value, max_bytes)
-    result, _ = _validate(value)
+    result, _ = _validate(value, sniff(value))
     return result
 
 
@@ -141,19 +159,16 @@ def _too_large(value: bytes, max_bytes: int) -> Rejection:
     return "too_large", f"payload is {len(value)} bytes; the limit is {max_bytes}"
 
 
-def _plain(value: bytes) -> bool:
-    """Nothing in the bytes that only the decoded value can rule out (see `_SUSPECT`)."""
-    return _SUSPECT.search(value) is None and not too_deep(value) \
-        and not has_huge_number(value)
-
-
-def _validate(value: bytes) -> tuple[Trajectory | Rejection, bool]:
+def _validate(value: bytes, sniffed: tuple[bool, Any]) -> tuple[Trajectory | Rejection, bool]:
     """The pydantic tiers; the flag says the payload was canonical (validated as-is)."""
-    if _plain(value) and not cannot_be_canonical(value):
+    plain, doc = sniffed
+    if plain and not cannot_be_canonical(value):
         try:
             return Trajectory.model_validate_json(value), True
         except ValidationError:
             pass  # not canonical v1: chat format, missing id, unknown fields, or really invalid
+    if plain:
+        return validate_record(doc, plain=True), False
     doc = load_json(value)
     if isinstance(doc, tuple):
         return doc, False
@@ -165,11 +180,11 @@ def classify_one(rec: RawRecord, max_bytes: int) -> Accepted | Rejected:
     value = rec.value
     if len(value) > max_bytes:
         return Rejected(rec, *_too_large(value, max_bytes))
-    plain = _plain(value)
-    row = fast_decode(value) if plain else None
+    sniffed = sniff(value)
+    row = fast_decode(value) if sniffed[0] else None
     if row is not None:
         return Accepted(rec, row, value.decode())
-    result, canonical = _validate(value)
+    result, canonical = _validate(value, sniffed)
     if not isinstance(result, Trajectory):
         return Rejected(rec, *result)
     if canonical:

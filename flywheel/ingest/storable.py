@@ -33,6 +33,7 @@ _SURROGATES = re.compile("[\ud800-\udfff]")
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9_\-]+")
 
 Path = tuple[str | int, ...]
+_CONTAINERS = (dict, list, tuple)
 
 
 def _text_problem(s: str) -> str | None:
@@ -58,13 +59,47 @@ def _where(path: Path) -> str:
 def unstorable(doc: Any) -> str | None:
     """Why `doc` (a decoded JSON value) cannot be stored as sent, or None when it can.
 
-    Iterative, so a deep document cannot exhaust the stack; the first problem found is
-    reported with its location (`metadata.notes[2]: contains a NUL character …`).
+    Iterative, so a deep document cannot exhaust the stack. The first pass only looks (the
+    common, clean case); a problem is then located by a second pass that keeps the path
+    (`metadata.notes[2]: contains a NUL character …`).
     """
+    return None if _clean(doc) else _locate(doc)
+
+
+def _clean(doc: Any) -> bool:
+    stack: list[tuple[Any, int]] = [(doc, 0)]
+    while stack:
+        node, depth = stack.pop()
+        kind = type(node)
+        if kind is str:
+            if _text_problem(node):
+                return False
+        elif kind is float:
+            if not math.isfinite(node):
+                return False
+        elif kind is dict:
+            if depth >= MAX_DEPTH:
+                return False
+            for key, value in node.items():
+                if type(key) is str and _text_problem(key):
+                    return False
+                stack.append((value, depth + 1))
+        elif kind is list:
+            if depth >= MAX_DEPTH:
+                return False
+            stack.extend((value, depth + 1) for value in node)
+        elif isinstance(node, dict | list | tuple):  # built in Python (the SDK): look inside
+            return False  # rare; `_locate` has the general walk
+        elif _scalar_problem(node) is not None:  # str/float subclasses
+            return False
+    return True
+
+
+def _locate(doc: Any) -> str | None:
     problem = _scalar_problem(doc)
     if problem is not None:
         return f"(root): {problem}"
-    stack: list[tuple[Any, int, Path]] = [(doc, 1, ())] if isinstance(doc, dict | list) else []
+    stack: list[tuple[Any, int, Path]] = [(doc, 1, ())] if isinstance(doc, _CONTAINERS) else []
     while stack:
         node, depth, path = stack.pop()
         if depth > MAX_DEPTH:
@@ -76,7 +111,7 @@ def unstorable(doc: Any) -> str | None:
         for key, value in children:
             if isinstance(key, str) and (problem := _text_problem(key)) is not None:
                 return f"{_where(path)}: a key {problem}"
-            if isinstance(value, dict | list):
+            if isinstance(value, _CONTAINERS):
                 pending.append((value, depth + 1, (*path, key)))
             elif (problem := _scalar_problem(value)) is not None:
                 return f"{_where((*path, key))}: {problem}"
