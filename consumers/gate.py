@@ -12,35 +12,43 @@ Candidate and production sample the frozen holdout tasks of the newest eval set 
 same seeds; the decision rule (flywheel.gate.decision) promotes only on a significant gain
 with no guard metric or task group regressing. The offset is acknowledged after the decision
 is committed; a redelivered `AdapterTrained` finds the version decided and does nothing.
+Waiting for an eval set and outages are retried with backoff; a message that cannot be gated
+(malformed, a broken lifecycle invariant, a bug) is parked (`dead_letters`, consumer
+`gate`, `RecordParked` → `<prefix>.parked`) and the version stays a candidate.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Any
 
-from faststream import AckPolicy, FastStream
+from aiokafka import ConsumerRecord
+from faststream import FastStream
 from faststream.kafka import KafkaBroker
-from faststream.message import StreamMessage
+from faststream.kafka.annotations import KafkaMessage
 
-from flywheel.adapters.lifecycle import LifecycleError
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
-from flywheel.events import AdapterTrained, parse_event
-from flywheel.gate.evaluate import NoEvalSet
-from flywheel.gate.service import GateService, describe
+from flywheel.errors import describe
+from flywheel.events import AdapterTrained
+from flywheel.gate.service import GateService
+from flywheel.gate.service import describe as describe_events
 from flywheel.policy.factory import make_policy
+from flywheel.runtime.consume import (
+    RetryPolicy,
+    handle,
+    parker,
+    read_event,
+    records_of,
+    subscribe,
+    transiently,
+)
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
 from flywheel.runtime.service import cancel_all, run_faststream
 
 log = logging.getLogger("flywheel.gate")
-RETRY_BACKOFF_S = 5.0
-NO_EVAL_SET_POLL_S = 10.0
-
-
-async def _raw(msg: StreamMessage[Any]) -> Any:
-    return msg.body
 
 
 def build_app(settings: Settings) -> FastStream:
@@ -48,55 +56,39 @@ def build_app(settings: Settings) -> FastStream:
     engine = make_engine(resolve_db_url(settings), pool_size=2)
     policy = make_policy(settings)
     gate = GateService(settings, engine, policy)
+    retry = RetryPolicy.of(settings.retry)
+    park = parker(engine, "gate", settings.topics)
 
-    @broker.subscriber(
-        settings.topics.adapters,
-        group_id=settings.gate.group_id,
-        ack_policy=AckPolicy.NACK_ON_ERROR,
-        auto_offset_reset="earliest",
-        session_timeout_ms=settings.kafka.session_timeout_ms,
-        heartbeat_interval_ms=settings.kafka.heartbeat_interval_ms,
-        max_poll_interval_ms=60 * 60 * 1000,  # a CPU holdout evaluation takes minutes
-        decoder=_raw,
-    )
-    async def on_adapter(body: Any) -> None:
-        event = parse_event(body)
-        if not isinstance(event, AdapterTrained):
-            return
-        while True:
-            try:
-                events = await gate.on_trained(event.payload)
-                break
-            except NoEvalSet as err:
-                # Nothing to compare on yet: wait (visibly) rather than decide blind.
-                log.warning("%s@v%d waits for an eval set: %s", event.payload.policy,
-                            event.payload.version, err)
-                await asyncio.sleep(NO_EVAL_SET_POLL_S)
-            except LifecycleError as err:
-                log.error("%s@v%d not gated: %s", event.payload.policy,
-                          event.payload.version, err)
-                return
-            except Exception as err:
-                log.warning("gating %s@v%d will be retried: %s", event.payload.policy,
-                            event.payload.version, err)
-                await asyncio.sleep(RETRY_BACKOFF_S)
-                raise
-        log.info("%s@v%d: %s", event.payload.policy, event.payload.version, describe(events))
+    async def gate_each(records: Sequence[ConsumerRecord[bytes, bytes]]) -> None:
+        # No eval set yet (NoEvalSet) is transient: the candidate waits, visibly, rather
+        # than being decided blind. A broken lifecycle invariant is permanent: parked.
+        for record in records:
+            event = read_event(record)
+            if not isinstance(event, AdapterTrained):
+                continue
+            events = await gate.on_trained(event.payload)
+            log.info("%s@v%d: %s", event.payload.policy, event.payload.version,
+                     describe_events(events))
+
+    # A CPU holdout evaluation takes minutes.
+    @subscribe(broker, settings.topics.adapters, settings, settings.gate.group_id, slow=True)
+    async def on_adapter(body: Any, msg: KafkaMessage) -> None:
+        await handle(records_of(body), msg.consumer, gate_each, park, retry, logger=log)
 
     app = FastStream(broker, logger=log)
     tasks: list[asyncio.Task[None]] = []
 
     async def baseline_when_ready() -> None:
-        """Baseline first: once an eval set is frozen, measure the base model on it."""
+        """Baseline first: once an eval set is frozen, measure the base model on it. There
+        is no message to park here: a bug is logged with its traceback and retried slowly."""
         while True:
             try:
-                await gate.baseline()
+                await transiently(gate.baseline, retry, what="baseline", logger=log)
                 return
-            except NoEvalSet:
-                await asyncio.sleep(NO_EVAL_SET_POLL_S / 5)
             except Exception as err:
-                log.warning("baseline will be retried: %s", err)
-                await asyncio.sleep(RETRY_BACKOFF_S)
+                log.error("baseline failed (%s); retrying in %.0fs", describe(err),
+                          retry.max_s, exc_info=err)
+                await asyncio.sleep(retry.max_s)
 
     @app.on_startup
     async def _baseline() -> None:

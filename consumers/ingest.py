@@ -6,12 +6,18 @@ Writes:     `trajectories` (one statement per batch, idempotent on trajectory_id
 Publishes (through the outbox): `DeadLettered` → `<prefix>.trajectories.dlq`,
             `TrajectoriesIngested` → `<prefix>.ingest`.
 
+Every message ends as exactly one row or one dead letter: decoding never raises
+(`flywheel.ingest.decode`), and a write Postgres refuses is narrowed down to the record it
+refuses (`flywheel.runtime.consume.settle`), which becomes a dead letter (`unstorable`)
+while the rest of its batch is stored. Transient failures (Postgres down) are retried with
+backoff, for as long as they last.
+
 Batches are pipelined: while batch N is written to Postgres, batch N+1 is decoded and
 validated (the write's cost is in the database process, the validation's in ours). Offsets
 are committed explicitly (ack policy MANUAL) and only for a batch whose transaction has
-committed, in order. A write that still fails after its retries stops the consumer before
-anything later is committed: on restart the batch is redelivered, and redelivery is a no-op.
-Bad input never raises: it is dead-lettered.
+committed, in order. Should a batch still fail (its dead letters cannot be written either),
+the consumer stops before anything later is committed: on restart the batch is redelivered,
+and redelivery is a no-op.
 """
 
 from __future__ import annotations
@@ -20,58 +26,52 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
-import asyncpg
 from aiokafka import ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
-from faststream import AckPolicy, FastStream
+from faststream import FastStream
 from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
-from faststream.message import StreamMessage
-from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
-from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
 from flywheel.config import Settings, Topics
 from flywheel.db.engine import make_engine
 from flywheel.db.outbox import append_events
+from flywheel.errors import Failure
 from flywheel.events import Event
 from flywheel.ingest.decode import (
     Accepted,
     RawRecord,
     Rejected,
-    classify,
+    classify_one,
     dead_letter_event,
     ingested_event,
 )
 from flywheel.ingest.store import insert_dead_letters, insert_trajectories
+from flywheel.runtime.consume import (
+    RetryPolicy,
+    records_of,
+    rewind,
+    settle,
+    subscribe_batch,
+)
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
 from flywheel.runtime.service import run_faststream
 
 log = logging.getLogger("flywheel.ingest")
+Outcome = Accepted | Rejected
+SHUTDOWN_WAIT_S = 15.0
+"""How long shutdown waits for the batch being written (it may be retrying an outage)."""
 
 
-def _transient(err: BaseException) -> bool:
-    # The COPY path raises asyncpg's own errors (not wrapped by SQLAlchemy).
-    if isinstance(err, OperationalError | OSError | asyncio.TimeoutError
-                  | asyncpg.TransactionRollbackError | asyncpg.PostgresConnectionError
-                  | asyncpg.InterfaceError | asyncpg.OperatorInterventionError):
-        return True
-    return isinstance(err, DBAPIError) and err.connection_invalidated
-
-
-async def _raw_batch(msg: StreamMessage[Any]) -> Any:
-    # Skip FastStream's per-message JSON decoding: classify() validates straight from bytes.
-    return msg.raw_message
-
-
-@retry(retry=retry_if_exception(_transient), stop=stop_after_attempt(5),
-       wait=wait_exponential(multiplier=0.2, max=5), reraise=True)
-async def write_batch(engine: AsyncEngine, topics: Topics, records: list[RawRecord],
-                      accepted: list[Accepted], rejected: list[Rejected]) -> None:
+async def write_batch(engine: AsyncEngine, topics: Topics,
+                      outcomes: Sequence[Outcome]) -> None:
     """One transaction: rows, dead letters, their events and outbox rows."""
+    records = [o.source for o in outcomes]
+    accepted = [o for o in outcomes if isinstance(o, Accepted)]
+    rejected = [o for o in outcomes if isinstance(o, Rejected)]
     async with engine.begin() as conn:
         written = await insert_trajectories(conn, accepted)
         new_dead = await insert_dead_letters(conn, rejected)
@@ -84,6 +84,25 @@ async def write_batch(engine: AsyncEngine, topics: Topics, records: list[RawReco
         await append_events(conn, events, topics)
     if new_dead:
         log.warning("dead-lettered %d of %d messages", len(new_dead), len(records))
+
+
+def _position(o: Outcome) -> str:
+    return f"{o.source.topic}[{o.source.partition}]@{o.source.offset}"
+
+
+async def store(engine: AsyncEngine, topics: Topics, outcomes: Sequence[Outcome],
+                policy: RetryPolicy) -> None:
+    """Write a batch so that each record ends a row or a dead letter (see module doc)."""
+    async def write(part: Sequence[Outcome]) -> None:
+        await write_batch(engine, topics, part)
+
+    async def refused(o: Outcome, failure: Failure) -> None:
+        # Postgres refused a record validation let through: it is that record's dead letter.
+        await write_batch(engine, topics, [Rejected(
+            o.source, "unstorable", f"Postgres refused it ({failure.error}); fix the value "
+            "it names, and report it: validation should have caught this")])
+
+    await settle(outcomes, write, refused, policy, name=_position, logger=log)
 
 
 class _Pipeline:
@@ -106,6 +125,8 @@ class _Pipeline:
         task, self.pending = self.pending, None
         try:
             await task
+        except asyncio.CancelledError:
+            raise  # shutdown gave up waiting: nothing was committed, the batch is redelivered
         except BaseException as err:
             # Fail-stop: nothing after this batch may be committed. The restart redelivers.
             self.failed = err
@@ -137,38 +158,32 @@ def build_app(settings: Settings) -> FastStream:
     broker = KafkaBroker(resolve_bootstrap(settings), logger=log)
     engine = make_engine(resolve_db_url(settings), pool_size=2)
     pipeline = _Pipeline()
+    policy = RetryPolicy.of(settings.retry)
 
-    @broker.subscriber(
-        topics.trajectories,
-        group_id=cfg.group_id,
-        ack_policy=AckPolicy.MANUAL,
-        batch=True,
-        max_records=cfg.batch_max_records,
-        batch_timeout_ms=cfg.batch_timeout_ms,
-        # Room for a whole batch from one partition in one fetch.
-        max_partition_fetch_bytes=max(1 << 20, cfg.batch_max_records * 4096),
-        auto_offset_reset="earliest",
-        session_timeout_ms=settings.kafka.session_timeout_ms,
-        heartbeat_interval_ms=settings.kafka.heartbeat_interval_ms,
-        decoder=_raw_batch,
-    )
+    @subscribe_batch(broker, topics.trajectories, settings, cfg.group_id,
+                     max_records=cfg.batch_max_records, batch_timeout_ms=cfg.batch_timeout_ms,
+                     # Room for a whole batch from one partition in one fetch.
+                     max_partition_fetch_bytes=max(1 << 20, cfg.batch_max_records * 4096))
     async def ingest(batch: Any, msg: KafkaMessage) -> None:
-        consumed: tuple[ConsumerRecord[bytes, bytes], ...] = batch
-        records = [RawRecord(r.topic, r.partition, r.offset, r.key, r.value or b"",
-                             tuple(r.headers or ())) for r in consumed]
-        accepted, rejected = classify(records, max_bytes=cfg.max_payload_bytes)
-        await pipeline.drain()  # the previous batch is durable and committed
-        pipeline.start(msg.consumer, records,
-                       write_batch(engine, topics, records, accepted, rejected))
+        consumed: list[ConsumerRecord[bytes, bytes]] = records_of(batch)
+        try:
+            records = [RawRecord(r.topic, r.partition, r.offset, r.key, r.value or b"",
+                                 tuple(r.headers or ())) for r in consumed]
+            outcomes = [classify_one(r, cfg.max_payload_bytes) for r in records]
+            await pipeline.drain()  # the previous batch is durable and committed
+        except BaseException:
+            rewind(msg.consumer, consumed)  # never let a later commit pass this batch
+            raise
+        pipeline.start(msg.consumer, records, store(engine, topics, outcomes, policy))
 
     app = FastStream(broker, logger=log)
 
     @app.on_shutdown
     async def _finish() -> None:
         try:
-            await pipeline.drain()
+            await asyncio.wait_for(pipeline.drain(), SHUTDOWN_WAIT_S)
         except Exception as err:  # already logged; the batch will be redelivered
-            log.warning("last batch not committed: %s", err)
+            log.warning("last batch not committed: %s", err or type(err).__name__)
 
     @app.after_shutdown
     async def _close() -> None:

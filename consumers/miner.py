@@ -5,17 +5,24 @@ Subscribes: `<prefix>.trajectories` (its own group `miner.group_id`), batches;
 Writes:     `failures` (classification + evidence, one per failed trajectory),
             `session_successes`, `tasks` (deduplicated by fingerprint, split train/holdout),
             `task_sources` (provenance), `feedback` (the log), `trajectory_outcomes` (the
-            trajectory with its feedback applied), `dead_letters` (bad feedback),
-            `events` + `outbox`.
+            trajectory with its feedback applied), `dead_letters` (consumers `miner` and
+            `feedback`), `events` + `outbox`.
 Publishes (through the outbox): `TaskCreated` → `<prefix>.tasks`, `FeedbackReceived` →
-            `<prefix>.ingest`, `DeadLettered` (bad feedback) → `<prefix>.trajectories.dlq`.
+            `<prefix>.ingest`, `RecordParked` → `<prefix>.parked`.
 
-Invalid trajectories are skipped here (ingest dead-letters them); a record without an agent
-is named from its `flywheel-agent` header exactly as ingest names it. A trajectory with no
-outcome yet is not mined until feedback brings one. Feedback whose trajectory is not stored
-yet waits in `feedback`; a sweep every `miner.feedback_sweep_s` applies it once ingest has
-stored the trajectory. Offsets are committed only after the batch's transaction commits;
-redelivery is a no-op (keyed on trajectory_id and feedback_id).
+Invalid trajectories are skipped here: the decision is ingest's own (`flywheel.ingest.decode`,
+a record without an agent named from its `flywheel-agent` header exactly as ingest names
+it), and ingest dead-letters them. A trajectory with no outcome yet is not mined until
+feedback brings one. A trajectory that cannot be mined is parked as the miner's dead letter
+while the rest of its batch is mined (`flywheel.runtime.consume`); transient failures are
+retried with backoff.
+
+Feedback is decided by its own boundary (`flywheel.ingest.feedback`): a record it refuses is
+parked at once as a dead letter of consumer `feedback`, in the transaction that stores the
+rest of its batch. Feedback whose trajectory is not stored yet waits in `feedback`; a sweep
+every `miner.feedback_sweep_s` applies it once ingest has stored the trajectory. Both
+subscribers commit offsets explicitly (MANUAL), only after their batch's transaction
+committed; redelivery is a no-op (keyed on trajectory_id and feedback_id).
 """
 
 from __future__ import annotations
@@ -23,41 +30,105 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from aiokafka import ConsumerRecord
-from faststream import AckPolicy, FastStream
+from faststream import FastStream
 from faststream.kafka import KafkaBroker
-from faststream.message import StreamMessage
+from faststream.kafka.annotations import KafkaMessage
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flywheel.config import Settings
+from flywheel.db import deadletters
 from flywheel.db.engine import make_engine
-from flywheel.db.outbox import append_events
+from flywheel.errors import Failure, describe, is_transient
 from flywheel.feedback import Feedback
 from flywheel.formats import ParseContext, header_agent
-from flywheel.ingest.decode import RawRecord, Rejected, dead_letter_event, decode
+from flywheel.ingest.decode import decode
 from flywheel.ingest.feedback import decode_feedback
-from flywheel.ingest.store import insert_dead_letters
 from flywheel.mining.outcomes import FeedbackStats, apply_pending, store_feedback
 from flywheel.mining.service import mine_batch
+from flywheel.runtime.consume import (
+    Park,
+    Process,
+    RetryPolicy,
+    handle,
+    parker,
+    records_of,
+    subscribe_batch,
+)
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
 from flywheel.runtime.service import run_faststream
 from flywheel.schemas import Trajectory
 
 log = logging.getLogger("flywheel.miner")
+FEEDBACK_CONSUMER = "feedback"
+"""`dead_letters.consumer` of feedback the miner's feedback subscriber refuses or parks."""
 
 
-async def _raw_batch(msg: StreamMessage[Any]) -> Any:
-    return msg.raw_message
-
-
-def _log_feedback(stats: FeedbackStats, stored: int) -> None:
+def _log_feedback(stats: FeedbackStats, stored: int, parked: int = 0) -> None:
     m = stats.mined
-    if stored or stats.applied or stats.parked:
-        log.info("feedback: %d stored, %d applied (%d failures mined: %d new tasks, %d joined,"
-                 " %d unverifiable), %d parked", stored, stats.applied, m.failures,
-                 m.tasks_created, m.tasks_joined, m.unverifiable, stats.parked)
+    if stored or stats.applied or stats.parked or parked:
+        log.info("feedback: %d stored, %d refused, %d applied (%d failures mined: %d new "
+                 "tasks, %d joined, %d unverifiable), %d could not be applied", stored,
+                 parked, stats.applied, m.failures, m.tasks_created, m.tasks_joined,
+                 m.unverifiable, stats.parked)
+
+
+def miner_handlers(settings: Settings, engine: AsyncEngine) -> tuple[Process, Park]:
+    """The miner's work on a batch of trajectories, and how it parks one (`build_app`
+    wires them)."""
+    cfg = settings.miner
+    max_bytes = settings.ingest.max_payload_bytes
+
+    async def mine(records: Sequence[ConsumerRecord[bytes, bytes]]) -> None:
+        parsed = [decode(r.value or b"", max_bytes=max_bytes,
+                         context=ParseContext(header_agent=header_agent(r.headers)))
+                  for r in records]
+        trajectories = [t for t in parsed if isinstance(t, Trajectory)]
+        async with engine.begin() as conn:
+            stats = await mine_batch(conn, trajectories, holdout_fraction=cfg.holdout_fraction,
+                                     topics=settings.topics)
+        if stats.failures or stats.upgraded:
+            log.info("mined %d failures: %d new tasks, %d joined, %d unverifiable, "
+                     "%d upgraded by retries; %d awaiting an outcome", stats.failures,
+                     stats.tasks_created, stats.tasks_joined, stats.unverifiable,
+                     stats.upgraded, stats.awaiting)
+
+    return mine, parker(engine, "miner", settings.topics)
+
+
+def feedback_handlers(settings: Settings, engine: AsyncEngine) -> tuple[Process, Park]:
+    """The feedback subscriber's work on a batch (store it, park what the boundary refuses,
+    apply what meets its trajectory, all in one transaction), and how it parks one record
+    whose processing keeps failing."""
+    cfg = settings.miner
+    topics = settings.topics
+    max_bytes = settings.ingest.max_payload_bytes
+
+    async def apply(records: Sequence[ConsumerRecord[bytes, bytes]]) -> None:
+        good: list[Feedback] = []
+        refused: list[deadletters.Parked] = []
+        for r in records:
+            result = decode_feedback(r.value or b"", max_bytes=max_bytes)
+            if isinstance(result, Feedback):
+                good.append(result)
+            else:
+                refused.append(deadletters.Parked(
+                    FEEDBACK_CONSUMER, r.topic, r.partition, r.offset, r.key, r.value or b"",
+                    Failure("permanent", f"{result[0]}: {result[1]}")))
+        async with engine.begin() as conn:
+            new = await store_feedback(conn, good)
+            parked = await deadletters.park(conn, refused, topics)
+            stats = await apply_pending(conn, topics=topics, only=new,
+                                        holdout_fraction=cfg.holdout_fraction)
+        if parked:
+            log.warning("parked %d of %d feedback messages the boundary refused", parked,
+                        len(records))
+        _log_feedback(stats, len(new), parked)
+
+    return apply, parker(engine, FEEDBACK_CONSUMER, topics)
 
 
 async def sweep(engine: AsyncEngine, settings: Settings) -> None:
@@ -69,62 +140,32 @@ async def sweep(engine: AsyncEngine, settings: Settings) -> None:
                 stats = await apply_pending(conn, topics=settings.topics,
                                             holdout_fraction=settings.miner.holdout_fraction)
             _log_feedback(stats, 0)
-        except Exception as err:  # the database may be restarting: the next sweep retries
-            log.warning("feedback sweep failed (retried in %.0fs): %s",
-                        settings.miner.feedback_sweep_s, err)
+        except Exception as err:  # the next sweep tries again: nothing is lost either way
+            if is_transient(err):  # the database may be restarting
+                log.warning("feedback sweep failed (retried in %.0fs): %s",
+                            settings.miner.feedback_sweep_s, describe(err))
+            else:
+                log.error("feedback sweep failed, a bug (retried in %.0fs): %s",
+                          settings.miner.feedback_sweep_s, describe(err), exc_info=err)
 
 
 def build_app(settings: Settings) -> FastStream:
     cfg = settings.miner
-    topics = settings.topics
     broker = KafkaBroker(resolve_bootstrap(settings), logger=log)
     engine = make_engine(resolve_db_url(settings), pool_size=3)
-    max_bytes = settings.ingest.max_payload_bytes
-    @broker.subscriber(
-        topics.trajectories, group_id=cfg.group_id, ack_policy=AckPolicy.NACK_ON_ERROR,
-        batch=True, max_records=cfg.batch_max_records, auto_offset_reset="earliest",
-        session_timeout_ms=settings.kafka.session_timeout_ms,
-        heartbeat_interval_ms=settings.kafka.heartbeat_interval_ms, decoder=_raw_batch)
-    async def mine(batch: Any) -> None:
-        records: tuple[ConsumerRecord[bytes, bytes], ...] = batch
-        parsed = [decode(r.value or b"", max_bytes=max_bytes,
-                         context=ParseContext(header_agent=header_agent(r.headers)))
-                  for r in records]
-        trajectories = [t for t in parsed if isinstance(t, Trajectory)]
-        async with engine.begin() as conn:
-            stats = await mine_batch(conn, trajectories, holdout_fraction=cfg.holdout_fraction,
-                                     topics=topics)
-        if stats.failures or stats.upgraded:
-            log.info("mined %d failures: %d new tasks, %d joined, %d unverifiable, "
-                     "%d upgraded by retries; %d awaiting an outcome", stats.failures,
-                     stats.tasks_created, stats.tasks_joined, stats.unverifiable,
-                     stats.upgraded, stats.awaiting)
+    policy = RetryPolicy.of(settings.retry)
+    mine, park = miner_handlers(settings, engine)
+    apply, park_feedback = feedback_handlers(settings, engine)
 
-    @broker.subscriber(
-        topics.feedback, group_id=cfg.feedback_group_id, ack_policy=AckPolicy.NACK_ON_ERROR,
-        batch=True, max_records=cfg.batch_max_records, auto_offset_reset="earliest",
-        session_timeout_ms=settings.kafka.session_timeout_ms,
-        heartbeat_interval_ms=settings.kafka.heartbeat_interval_ms, decoder=_raw_batch)
-    async def feedback(batch: Any) -> None:
-        records: tuple[ConsumerRecord[bytes, bytes], ...] = batch
-        good: list[Feedback] = []
-        bad: list[Rejected] = []
-        for r in records:
-            result = decode_feedback(r.value or b"", max_bytes=max_bytes)
-            if isinstance(result, Feedback):
-                good.append(result)
-            else:
-                bad.append(Rejected(RawRecord(r.topic, r.partition, r.offset, r.key,
-                                              r.value or b""), *result))
-        async with engine.begin() as conn:
-            new = await store_feedback(conn, good)
-            dead = await insert_dead_letters(conn, bad)
-            await append_events(conn, [dead_letter_event(r) for r in dead], topics)
-            stats = await apply_pending(conn, topics=topics, only=new,
-                                        holdout_fraction=cfg.holdout_fraction)
-        if dead:
-            log.warning("dead-lettered %d of %d feedback messages", len(dead), len(records))
-        _log_feedback(stats, len(new))
+    @subscribe_batch(broker, settings.topics.trajectories, settings, cfg.group_id,
+                     max_records=cfg.batch_max_records)
+    async def on_batch(batch: Any, msg: KafkaMessage) -> None:
+        await handle(records_of(batch), msg.consumer, mine, park, policy, logger=log)
+
+    @subscribe_batch(broker, settings.topics.feedback, settings, cfg.feedback_group_id,
+                     max_records=cfg.batch_max_records)
+    async def on_feedback(batch: Any, msg: KafkaMessage) -> None:
+        await handle(records_of(batch), msg.consumer, apply, park_feedback, policy, logger=log)
 
     app = FastStream(broker, logger=log)
     sweeper: dict[str, asyncio.Task[None]] = {}

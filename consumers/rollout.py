@@ -3,81 +3,96 @@
 Subscribes: `<prefix>.rollout.requests` (`RolloutRequested`), group `rollout.group_id`;
             workers are members of one group, so a dead worker's partitions (and its
             unacknowledged requests) move to the others.
-Writes:     `rollout_groups`, `task_stats`, `rollout_requests.status`, `events` + `outbox`.
-Publishes (through the outbox): `GroupScored` → `<prefix>.rollouts`, trainable groups only.
+Writes:     `rollout_groups`, `task_stats`, `rollout_requests.status`, `dead_letters`
+            (consumer `rollout`), `events` + `outbox`.
+Publishes (through the outbox): `GroupScored` → `<prefix>.rollouts`, trainable groups only;
+            `RecordParked` → `<prefix>.parked`.
 
 Before sampling, a worker waits while the untrained backlog is at max_staleness × B groups
 (admission control). The request's offset is committed only after its group is recorded.
+A request that cannot be served (an unknown adapter or environment, a malformed message, a
+bug) is parked and its request marked failed; an engine or database outage is retried with
+backoff (`flywheel.runtime.consume`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Any
 
-from faststream import AckPolicy, FastStream
+from aiokafka import ConsumerRecord
+from faststream import FastStream
 from faststream.kafka import KafkaBroker
-from faststream.message import StreamMessage
+from faststream.kafka.annotations import KafkaMessage
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from flywheel.adapters.resolver import AdapterResolver
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
-from flywheel.events import RolloutRequested, parse_event
+from flywheel.errors import Failure, InvalidRecord
+from flywheel.events import RolloutRequested
+from flywheel.policy.base import Policy
 from flywheel.policy.factory import make_policy
-from flywheel.rollout.service import fail_request, handle_request, worker_name
+from flywheel.rollout.service import handle_request, mark_failed, worker_name
+from flywheel.runtime.consume import (
+    Park,
+    Process,
+    RetryPolicy,
+    handle,
+    parker,
+    read_event,
+    records_of,
+    subscribe,
+)
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
 from flywheel.runtime.service import run_faststream
 
 log = logging.getLogger("flywheel.rollout")
-RETRY_BACKOFF_S = 5.0
 
 
-async def _raw(msg: StreamMessage[Any]) -> Any:
-    return msg.body
+def rollout_handlers(settings: Settings, engine: AsyncEngine, policy: Policy,
+                     adapters: AdapterResolver, worker: str) -> tuple[Process, Park]:
+    """A worker's work on a request, and how it parks one: the request is marked failed in
+    the same transaction, so it stops holding admission budget (`build_app` wires them)."""
+    async def fail(conn: AsyncConnection, record: ConsumerRecord[bytes, bytes],
+                   failure: Failure) -> None:
+        try:
+            event = read_event(record)
+        except InvalidRecord:
+            return  # no request id to fail
+        if isinstance(event, RolloutRequested):
+            await mark_failed(conn, event.payload.request_id)
+
+    async def serve(records: Sequence[ConsumerRecord[bytes, bytes]]) -> None:
+        for record in records:
+            event = read_event(record)
+            if not isinstance(event, RolloutRequested):
+                continue
+            outcome = await handle_request(event.payload, engine=engine, policy=policy,
+                                           settings=settings, worker=worker,
+                                           adapters=adapters)
+            if outcome is not None:
+                log.info("group %s: %d scored, mean reward %s, trainable %s",
+                         event.payload.request_id, len(outcome.scored), outcome.reward_mean,
+                         outcome.trainable)
+
+    return serve, parker(engine, "rollout", settings.topics, also=fail)
 
 
 def build_app(settings: Settings) -> FastStream:
     broker = KafkaBroker(resolve_bootstrap(settings), logger=log)
     engine = make_engine(resolve_db_url(settings), pool_size=2)
     policy = make_policy(settings)
-    worker = worker_name()
-    adapters = AdapterResolver(engine, settings)
+    retry = RetryPolicy.of(settings.retry)
+    serve, park = rollout_handlers(settings, engine, policy, AdapterResolver(engine, settings),
+                                   worker_name())
 
-    @broker.subscriber(
-        settings.topics.rollout_requests,
-        group_id=settings.rollout.group_id,
-        ack_policy=AckPolicy.NACK_ON_ERROR,
-        auto_offset_reset="earliest",
-        session_timeout_ms=settings.kafka.session_timeout_ms,
-        heartbeat_interval_ms=settings.kafka.heartbeat_interval_ms,
-        # A group on CPU can take minutes; admission may hold a request longer still.
-        max_poll_interval_ms=60 * 60 * 1000,
-        decoder=_raw,
-    )
-    async def rollout(body: Any) -> None:
-        event = parse_event(body)
-        if not isinstance(event, RolloutRequested):
-            return
-        try:
-            outcome = await handle_request(event.payload, engine=engine, policy=policy,
-                                           settings=settings, worker=worker,
-                                           adapters=adapters)
-        except (LookupError, ValueError) as err:
-            # Permanent (unknown adapter or environment, bad task): fail it, move on.
-            log.error("rollout request %s failed: %s", event.payload.request_id, err)
-            await fail_request(engine, event.payload.request_id, str(err))
-            return
-        except Exception as err:
-            # Transient (engine or database down): back off before the redelivery.
-            log.warning("rollout request %s will be retried: %s", event.payload.request_id,
-                        err)
-            await asyncio.sleep(RETRY_BACKOFF_S)
-            raise
-        if outcome is not None:
-            log.info("group %s: %d scored, mean reward %s, trainable %s",
-                     event.payload.request_id, len(outcome.scored), outcome.reward_mean,
-                     outcome.trainable)
+    # A group on CPU can take minutes; admission may hold a request longer still.
+    @subscribe(broker, settings.topics.rollout_requests, settings, settings.rollout.group_id,
+               slow=True)
+    async def rollout(body: Any, msg: KafkaMessage) -> None:
+        await handle(records_of(body), msg.consumer, serve, park, retry, logger=log)
 
     app = FastStream(broker, logger=log)
 

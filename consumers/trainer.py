@@ -4,7 +4,8 @@ Subscribes: `<prefix>.rollouts` (`GroupScored`, trainable groups), group `traine
 Writes:     the adapter store (atomic, checksummed versions), `adapter_versions`,
             `rollout_groups.trained_at/consumed_as`, `trainer_status` (heartbeat),
             `events` + `outbox`.
-Publishes (through the outbox): `AdapterTrained` → `<prefix>.adapters`.
+Publishes (through the outbox): `AdapterTrained` → `<prefix>.adapters`; `RecordParked` →
+            `<prefix>.parked` for a record that is no event or a step that fails for good.
 
 Before the first training of a policy (`trainer.stages = sft_then_grpo`) it waits for the
 gate's baseline and, when that recommends SFT, publishes an SFT warm start from
@@ -27,13 +28,13 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from faststream import AckPolicy, FastStream
+from faststream import FastStream
 from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
-from faststream.message import StreamMessage
 
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
+from flywheel.runtime.consume import records_of, subscribe_batch
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
 from flywheel.runtime.service import LOG_FORMAT, cancel_all, run_faststream
 from flywheel.trainer.service import TrainerService
@@ -45,10 +46,6 @@ log = logging.getLogger("flywheel.trainer")
 HEARTBEAT_S = 2.0
 
 
-async def _raw_batch(msg: StreamMessage[Any]) -> Any:
-    return msg.raw_message
-
-
 def build_app(settings: Settings, ranks: Ranks | None = None) -> FastStream:
     """`ranks`: this process is rank 0 of a torchrun job (`flywheel.trainer.distributed`)."""
     broker = KafkaBroker(resolve_bootstrap(settings), logger=log)
@@ -56,20 +53,11 @@ def build_app(settings: Settings, ranks: Ranks | None = None) -> FastStream:
     service = TrainerService(settings, engine, ranks)
     tasks: list[asyncio.Task[None]] = []
 
-    @broker.subscriber(
-        settings.topics.rollouts,
-        group_id=settings.trainer.group_id,
-        ack_policy=AckPolicy.MANUAL,
-        batch=True,
-        max_records=settings.rollout.train_batch_groups * 4,
-        auto_offset_reset="earliest",
-        session_timeout_ms=settings.kafka.session_timeout_ms,
-        heartbeat_interval_ms=settings.kafka.heartbeat_interval_ms,
-        max_poll_interval_ms=60 * 60 * 1000,  # a CPU step can take minutes
-        decoder=_raw_batch,
-    )
+    # A CPU step can take minutes. Offsets: the service commits what is durable.
+    @subscribe_batch(broker, settings.topics.rollouts, settings, settings.trainer.group_id,
+                     max_records=settings.rollout.train_batch_groups * 4, slow=True)
     async def train(batch: Any, msg: KafkaMessage) -> None:
-        await service.on_records(list(batch), msg.consumer)
+        await service.on_records(records_of(batch), msg.consumer)
 
     app = FastStream(broker, logger=log)
 

@@ -28,6 +28,12 @@ class KafkaSettings(BaseModel):
     """Consumer-group session timeout; a dead consumer's partitions move after this long."""
     heartbeat_interval_ms: int = 3_000
     """Consumer heartbeat interval (well under the session timeout)."""
+    max_poll_interval_ms: int = 300_000
+    """Longest a consumer may take between fetches before the group hands its partitions to
+    another member (ingest, miner); unprocessed messages are then redelivered, not lost."""
+    slow_max_poll_interval_ms: int = 3_600_000
+    """The same bound for consumers whose one message takes minutes (rollout groups, holdout
+    evaluations and training steps on a CPU)."""
     local_port: int = 9092
     """Port of the bundled broker when `bootstrap` is unset."""
 
@@ -266,6 +272,21 @@ class ArtifactSettings(BaseModel):
         return self
 
 
+class RetrySettings(BaseModel):
+    """How consumers retry (`flywheel.runtime.consume`). Transient failures (database or
+    broker down, timeouts, HTTP 5xx/429) are retried with exponential backoff until they
+    pass and are never parked; permanent ones (bad input, a broken invariant) are parked at
+    once; anything else counts as a bug and gets `bug_attempts` tries before it is parked."""
+
+    backoff_initial_s: float = Field(default=0.5, gt=0)
+    """First pause before retrying a transient failure (doubled on every further retry)."""
+    backoff_max_s: float = Field(default=30.0, gt=0)
+    """Longest pause between two retries of a transient failure."""
+    bug_attempts: int = Field(default=3, ge=1)
+    """Tries a message gets when it fails with an unclassified error (most likely a bug)
+    before it is parked with its traceback summary."""
+
+
 class RelaySettings(BaseModel):
     poll_interval_s: float = 0.2
     """Pause between outbox polls when the previous poll found nothing."""
@@ -318,6 +339,7 @@ class Settings(BaseSettings):
     trainer: TrainerSettings = Field(default_factory=TrainerSettings)
     artifacts: ArtifactSettings = Field(default_factory=ArtifactSettings)
     gate: GateSettings = Field(default_factory=GateSettings)
+    retry: RetrySettings = Field(default_factory=RetrySettings)
     relay: RelaySettings = Field(default_factory=RelaySettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
 
@@ -346,6 +368,8 @@ class Topics(BaseModel, frozen=True):
     trajectories: str
     trajectories_dlq: str
     feedback: str
+    parked: str
+    """Messages a downstream consumer (miner, rollout, trainer, gate) could not process."""
     ingest: str
     tasks: str
     rollout_requests: str
@@ -358,6 +382,7 @@ class Topics(BaseModel, frozen=True):
             trajectories=f"{prefix}.trajectories",
             trajectories_dlq=f"{prefix}.trajectories.dlq",
             feedback=f"{prefix}.feedback",
+            parked=f"{prefix}.parked",
             ingest=f"{prefix}.ingest",
             tasks=f"{prefix}.tasks",
             rollout_requests=f"{prefix}.rollout.requests",
@@ -367,8 +392,8 @@ class Topics(BaseModel, frozen=True):
 
     def for_event(self, event_type: str) -> str:
         """The topic every event of `event_type` is published to: the one routing table."""
-        route = {"DeadLettered": self.trajectories_dlq, "TrajectoriesIngested": self.ingest,
-                 "FeedbackReceived": self.ingest,
+        route = {"DeadLettered": self.trajectories_dlq, "RecordParked": self.parked,
+                 "TrajectoriesIngested": self.ingest, "FeedbackReceived": self.ingest,
                  "TaskCreated": self.tasks, "EvalSetFrozen": self.tasks,
                  "RolloutRequested": self.rollout_requests, "GroupScored": self.rollouts,
                  **dict.fromkeys(("AdapterTrained", "AdapterEvaluated", "AdapterPromoted",
@@ -381,8 +406,8 @@ class Topics(BaseModel, frozen=True):
                            "Topics.for_event") from None
 
     def all(self) -> list[str]:
-        return [self.trajectories, self.trajectories_dlq, self.feedback, self.ingest, self.tasks,
-                self.rollout_requests, self.rollouts, self.adapters]
+        return [self.trajectories, self.trajectories_dlq, self.feedback, self.parked,
+                self.ingest, self.tasks, self.rollout_requests, self.rollouts, self.adapters]
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -392,7 +417,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
     env: dict[str, str] = {"FLYWHEEL_HOME": str(settings.home.resolve()),
                            "FLYWHEEL_POLICY": settings.policy}
     for section in ("kafka", "db", "ingest", "miner", "rollout", "trainer", "artifacts", "gate",
-                    "relay", "api"):
+                    "retry", "relay", "api"):
         model = getattr(settings, section)
         for key, value in model.model_dump(mode="json").items():
             if value is None:

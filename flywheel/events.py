@@ -22,6 +22,17 @@ def derived_event_id(*parts: object) -> uuid.UUID:
     return uuid.uuid5(EVENT_ID_NAMESPACE, "/".join(str(p) for p in parts))
 
 
+def storable_text(s: str) -> str:
+    """Text Postgres takes (`text`, `jsonb`): an error message may quote the very input that
+    was refused (a NUL, a lone surrogate), which must not make its dead letter unwritable."""
+    return s.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
+
+
+def preview(value: bytes) -> str:
+    """A dead letter's `raw_preview`: the first KiB of the message as storable text."""
+    return storable_text(value[:1024].decode("utf-8", errors="replace"))
+
+
 class _Payload(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -39,7 +50,8 @@ class DeadLetterPayload(_Payload):
     source_topic: str
     partition: int
     offset: int
-    reason: Literal["not_json", "schema", "too_large"]
+    reason: Literal["not_json", "schema", "too_large", "unstorable"]
+    """`unstorable`: Postgres refused a record validation let through (reported as a bug)."""
     error: str
     size_bytes: int
     raw_preview: str
@@ -51,6 +63,30 @@ class DeadLettered(_Event):
 
     type: Literal["DeadLettered"] = "DeadLettered"
     payload: DeadLetterPayload
+
+
+class RecordParkedPayload(_Payload):
+    consumer: str
+    """Which consumer gave up on the record: `miner`, `feedback` (the miner's feedback
+    subscriber), `rollout`, `trainer`, `gate`."""
+    source_topic: str
+    partition: int
+    offset: int
+    reason: Literal["permanent", "bug"]
+    """`permanent`: bad input or a broken invariant; `bug`: an error in our code, still
+    failing after its retries (the error ends with where it was raised)."""
+    error: str
+    size_bytes: int
+    raw_preview: str
+    """The first KiB of the message as text (the whole message is in `dead_letters.raw`)."""
+
+
+class RecordParked(_Event):
+    """A consumer could not process a message (not a transient failure: those are retried),
+    stored it in `dead_letters` under its own name and moved on to the next one."""
+
+    type: Literal["RecordParked"] = "RecordParked"
+    payload: RecordParkedPayload
 
 
 class IngestedRange(_Payload):
@@ -350,10 +386,10 @@ LIFECYCLE_EVENTS = ("AdapterTrained", "AdapterEvaluated", "AdapterPromoted", "Ad
 """Event types whose projections (`adapter_versions`, `evaluations`, `production`,
 `serving_state`) `flywheel replay` rebuilds."""
 
-Event = Annotated[DeadLettered | TrajectoriesIngested | FeedbackReceived | TaskCreated
-                  | EvalSetFrozen | RolloutRequested | GroupScored | AdapterTrained
-                  | AdapterEvaluated | AdapterPromoted | AdapterRejected | AdapterRolledBack
-                  | ServingSwitched,
+Event = Annotated[DeadLettered | RecordParked | TrajectoriesIngested | FeedbackReceived
+                  | TaskCreated | EvalSetFrozen | RolloutRequested | GroupScored
+                  | AdapterTrained | AdapterEvaluated | AdapterPromoted | AdapterRejected
+                  | AdapterRolledBack | ServingSwitched,
                   Field(discriminator="type")]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 

@@ -132,6 +132,10 @@ def parse_feedback(record: Any, *, trajectory_id: uuid.UUID | None = None,
     if unknown:
         meta = data.get("metadata")
         meta = dict(meta) if isinstance(meta, dict) else {}
-        meta["unknown_fields"] = {**meta.get("unknown_fields", {}), **unknown}
+        kept = meta.get("unknown_fields", {})
+        if not isinstance(kept, dict):
+            raise ValueError("metadata.unknown_fields must be an object: it is where unknown "
+                             "fields are kept; rename that metadata field")
+        meta["unknown_fields"] = {**kept, **unknown}
         data["metadata"] = meta
     return Feedback.model_validate(data)

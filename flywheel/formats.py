@@ -66,16 +66,17 @@ def derive_agent(record_agent: object, ctx: ParseContext | None) -> tuple[object
 def header_agent(headers: Iterable[tuple[str, bytes | str | None]] | None) -> str | None:
     """The `flywheel-agent` header among Kafka headers (`[(key, bytes)]`), if usable.
 
-    A value that is not UTF-8 or is blank is ignored: the header is a hint, and the record is
-    still accepted under the next source in the order."""
+    A value that is not UTF-8, holds a NUL or is blank is ignored: the header is a hint, and
+    the record is still accepted under the next source in the order."""
     for key, value in headers or ():
         if key != AGENT_HEADER or not isinstance(value, bytes | str):
             continue
         try:
             text = value.decode() if isinstance(value, bytes) else value
-        except UnicodeDecodeError:
+            text.encode()  # a str header may hold lone surrogates: no name at all
+        except UnicodeError:
             return None
-        return text.strip() or None
+        return None if "\x00" in text else text.strip() or None
     return None
 
 
@@ -111,7 +112,8 @@ def chat_to_items(messages: list[Any], *, first_index: int = 0) -> list[dict[str
             continue
         calls = msg.get("tool_calls") or []
         if not isinstance(calls, list):
-            raise ValueError(f"messages[{i}].tool_calls must be a list")
+            raise ValueError(f"messages[{i}].tool_calls must be a list of tool calls, got "
+                             f"{type(calls).__name__}")
         if msg.get("content") not in (None, "", []) or not calls:
             items.append({"type": "message", "role": role, "content": msg.get("content"),
                           **extra})

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import json
 import uuid
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from flywheel.formats import (
     ParseContext,
@@ -43,12 +43,42 @@ AWAITING_OUTCOME: Literal["awaiting_outcome"] = "awaiting_outcome"
 """The `trajectories.status` of a record stored without an outcome (neither success nor
 failure until feedback says which)."""
 TrajectoryStatus = OutcomeStatus | Literal["awaiting_outcome"]
+PG_BIGINT_MAX = 2**63 - 1
+"""Largest integer a Postgres `bigint` holds: the bound of every integer field that is (or
+may become) a column, so a value is refused at validation rather than by the database."""
+_NAIVE_MARGIN = timedelta(days=1)
+
+
+def storable_datetime(value: datetime) -> datetime:
+    """A timestamp Postgres can store: `timestamptz` keeps UTC, and the driver converts to
+    UTC first, so an instant outside years 1-9999 in UTC (`0001-01-01T00:00:00+23:59`) would
+    fail in the database, not here. A naive timestamp is converted with the ingesting
+    machine's zone, so it must stay a day clear of the edges whatever that zone is."""
+    if value.utcoffset() is None:
+        if datetime.min + _NAIVE_MARGIN <= value.replace(tzinfo=None) <= \
+                datetime.max - _NAIVE_MARGIN:
+            return value
+    else:
+        try:
+            value.astimezone(UTC)
+            return value
+        except (OverflowError, ValueError):
+            pass
+    raise ValueError(f"{value.isoformat()} is outside the range a timestamp can be stored in "
+                     "once converted to UTC (years 1 to 9999); check the year and the UTC "
+                     "offset")
+
+
+StoredDatetime = Annotated[datetime, AfterValidator(storable_datetime)]
+"""A datetime field that lands in a `timestamptz` column."""
+Count = Annotated[int, Field(ge=0, le=PG_BIGINT_MAX)]
 
 
 class _Open(BaseModel):
-    """Nested objects keep fields this version does not know (extra="allow")."""
+    """Nested objects keep fields this version does not know (extra="allow"). Floats must be
+    finite: JSON has no NaN/Infinity and Postgres' jsonb refuses them."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class Tool(_Open):
@@ -115,12 +145,12 @@ class Outcome(_Open):
 
 
 class Usage(_Open):
-    input_tokens: int | None = Field(default=None, ge=0)
-    output_tokens: int | None = Field(default=None, ge=0)
+    input_tokens: Count | None = None
+    output_tokens: Count | None = None
 
 
 class Trajectory(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     schema_version: Literal[1] = 1
     trajectory_id: uuid.UUID
@@ -132,8 +162,8 @@ class Trajectory(BaseModel):
     model: str | None = None
     adapter_version: str | None = None
     """Which policy version produced this trajectory, if it was one of ours."""
-    started_at: datetime | None = None
-    ended_at: datetime | None = None
+    started_at: StoredDatetime | None = None
+    ended_at: StoredDatetime | None = None
     tools: list[Tool] = Field(default_factory=list)
     items: list[Item] = Field(default_factory=list)
     outcome: Outcome | None = None
@@ -220,7 +250,11 @@ def normalize(record: dict[str, Any], context: ParseContext | None = None) -> di
     if unknown:
         meta = data.get("metadata")
         meta = dict(meta) if isinstance(meta, dict) else {}
-        meta["unknown_fields"] = {**meta.get("unknown_fields", {}), **unknown}
+        kept = meta.get("unknown_fields", {})
+        if not isinstance(kept, dict):
+            raise ValueError("metadata.unknown_fields must be an object: it is where unknown "
+                             "top-level fields are kept; rename that metadata field")
+        meta["unknown_fields"] = {**kept, **unknown}
         data["metadata"] = meta
     return data
 

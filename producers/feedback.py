@@ -17,9 +17,29 @@ from types import TracebackType
 from typing import Any
 
 from flywheel.config import Settings
-from flywheel.feedback import Feedback, parse_feedback
+from flywheel.feedback import Feedback
+from flywheel.ingest.feedback import check_feedback, validate_feedback
 from flywheel.runtime.endpoints import resolve_bootstrap
 from producers.sdk import FlywheelClient
+
+
+def serialize_feedback(feedback: Feedback | dict[str, Any]) -> tuple[Feedback, bytes]:
+    """The feedback and the exact bytes to publish, or `ValueError` saying why the miner
+    would refuse it, whatever the input (a dict of any shape, or a `Feedback` holding an
+    unstorable value)."""
+    if isinstance(feedback, Feedback):
+        fb, problem = feedback, check_feedback(feedback)
+    else:
+        result = validate_feedback(feedback)
+        if isinstance(result, tuple):
+            raise ValueError(f"invalid feedback: {result[1]}")
+        fb, problem = result, None
+    if problem is not None:
+        raise ValueError(f"invalid feedback: {problem}")
+    try:
+        return fb, fb.model_dump_json(exclude_none=True).encode()
+    except Exception as exc:  # e.g. a Python object in metadata with no JSON form
+        raise ValueError(f"invalid feedback: it cannot be serialized ({exc})") from exc
 
 
 class FeedbackClient:
@@ -47,10 +67,10 @@ class FeedbackClient:
         await self._client.start()
 
     async def log(self, feedback: Feedback | dict[str, Any]) -> uuid.UUID:
-        """Validate and enqueue one feedback; returns its id. Raises ValueError if invalid."""
-        fb = feedback if isinstance(feedback, Feedback) else parse_feedback(feedback)
-        await self._client.log_raw(fb.model_dump_json(exclude_none=True).encode(),
-                                   key=fb.target.encode())
+        """Validate and enqueue one feedback; returns its id. Raises ValueError for anything
+        the miner would park (the same decision: `flywheel.ingest.feedback`)."""
+        fb, value = serialize_feedback(feedback)
+        await self._client.log_raw(value, key=fb.target.encode())
         return fb.feedback_id
 
     async def log_raw(self, value: bytes, key: bytes | None = None) -> None:

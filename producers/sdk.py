@@ -27,9 +27,11 @@ from aiokafka import errors as kafka_errors
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_fixed
 
 from flywheel.config import Settings
+from flywheel.errors import is_transient
 from flywheel.formats import ParseContext
+from flywheel.ingest.decode import check_trajectory, validate_record
 from flywheel.runtime.endpoints import resolve_bootstrap
-from flywheel.schemas import Trajectory, parse_trajectory
+from flywheel.schemas import Trajectory
 from producers.spool import Record, Spool, encode
 
 log = logging.getLogger(__name__)
@@ -40,14 +42,9 @@ MAX_RECORD_BYTES = 1_000_000
 """Largest key + value `log` accepts: below Kafka's default broker limit (message.max.bytes)."""
 _BATCH_BYTES = 512 * 1024  # per-partition request batch; aiokafka's 16 KiB costs a round trip each
 
-_TRANSIENT = (
-    kafka_errors.KafkaConnectionError, kafka_errors.KafkaTimeoutError,
-    kafka_errors.NodeNotReadyError, kafka_errors.RequestTimedOutError,
-    kafka_errors.NoBrokersAvailable, kafka_errors.NotLeaderForPartitionError,
-    kafka_errors.LeaderNotAvailableError, kafka_errors.UnknownTopicOrPartitionError,
-    kafka_errors.NotEnoughReplicasError, kafka_errors.NotEnoughReplicasAfterAppendError,
-    kafka_errors.ProducerClosed, TimeoutError, ConnectionError, asyncio.CancelledError,
-)
+# Beyond what is transient for everyone (flywheel.errors.is_transient): a producer closed
+# under a send, or a send cancelled with it, is retried from the spool too.
+_ALSO_RETRIED = (kafka_errors.ProducerClosed, asyncio.CancelledError)
 _REFUSED = (
     kafka_errors.MessageSizeTooLargeError, kafka_errors.RecordTooLargeError,
     kafka_errors.RecordListTooLargeError, kafka_errors.CorruptRecordException,
@@ -57,19 +54,30 @@ _REFUSED = (
 
 def is_retryable(exc: BaseException) -> bool:
     """Transient (broker unreachable, slow, electing a leader): the same send can succeed later."""
-    if isinstance(exc, _TRANSIENT):
-        return True
-    return isinstance(exc, kafka_errors.KafkaError) and bool(exc.retriable)
+    return isinstance(exc, _ALSO_RETRIED) or is_transient(exc)
 
 
-def _validate(record: object, agent: str | None = None) -> Trajectory:
+def serialize(trajectory: Trajectory | dict[str, Any], *, agent: str | None = None
+              ) -> tuple[Trajectory, bytes]:
+    """The trajectory and the exact bytes to publish, judged by ingest's own boundary
+    (`flywheel.ingest.decode`): `ValueError` for anything ingest would dead-letter, whatever
+    the input (a dict of any shape, or a `Trajectory` holding an unstorable value). `agent`
+    names the agent of a dict that names none (the publisher's default)."""
+    if isinstance(trajectory, Trajectory):
+        problem = check_trajectory(trajectory)
+        traj = trajectory
+    else:
+        context = ParseContext(publisher_agent=agent) if agent is not None else None
+        result = validate_record(trajectory, context=context)
+        if isinstance(result, tuple):
+            raise ValueError(f"invalid trajectory: {result[1]}")
+        traj, problem = result, None
+    if problem is not None:
+        raise ValueError(f"invalid trajectory: {problem}")
     try:
-        return parse_trajectory(record, ParseContext(publisher_agent=agent))
-    except ValueError as exc:
-        errors = getattr(exc, "errors", None)  # pydantic: one line per field beats its dump
-        detail = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}"
-                           for e in errors()) if callable(errors) else str(exc)
-        raise ValueError(f"invalid trajectory: {detail}") from exc
+        return traj, traj.model_dump_json(exclude_none=True).encode()
+    except Exception as exc:  # e.g. a Python object in metadata with no JSON form
+        raise ValueError(f"invalid trajectory: it cannot be serialized ({exc})") from exc
 
 
 class FlywheelClient:
@@ -149,11 +157,10 @@ class FlywheelClient:
         self._task = asyncio.create_task(self._run(), name=f"flywheel-sdk:{self._topic}")
 
     async def log(self, trajectory: Trajectory | dict[str, Any]) -> uuid.UUID:
-        """Validate and enqueue one trajectory; returns its id. Raises ValueError if invalid."""
-        traj = trajectory if isinstance(trajectory, Trajectory) else \
-            _validate(trajectory, self._agent)
-        await self._enqueue(str(traj.trajectory_id).encode(),
-                            traj.model_dump_json(exclude_none=True).encode())
+        """Validate and enqueue one trajectory; returns its id. Raises ValueError if invalid
+        (for any record ingest would dead-letter: the same decision, see `serialize`)."""
+        traj, value = serialize(trajectory, agent=self._agent)
+        await self._enqueue(str(traj.trajectory_id).encode(), value)
         return traj.trajectory_id
 
     async def log_raw(self, value: bytes, key: bytes | None = None) -> None:

@@ -162,7 +162,8 @@ async def test_operator_approves_and_rolls_back_from_the_dashboard(
 
             await expect(card("metric-trajectories")).to_have_text("5")
             await expect(page.get_by_test_id("metric-trainer")).to_contain_text("training")
-            await expect(card("metric-dlq")).to_have_text("3")
+            await expect(card("metric-dlq")).to_have_text("4")
+            await expect(page.get_by_test_id("metric-dlq")).to_contain_text("miner 1 (bug 1)")
             await expect(card("metric-staleness")).to_have_text("1")
             reward = page.locator('#reward-chart circle[data-testid="point"]')
             await expect(reward).to_have_count(3)

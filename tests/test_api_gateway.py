@@ -178,7 +178,7 @@ async def test_schema_error_is_422_naming_the_field_and_publishes_nothing(
     r = await client.post("/v1/trajectories", json={"trajectories": batch}, headers=auth())
     assert r.status_code == 422
     detail = r.json()["detail"]
-    assert "trajectories[3].outcome.status: Input should be 'success', 'failure'" in detail
+    assert "trajectories[3]: outcome.status: Input should be 'success', 'failure'" in detail
     assert "nothing was published" in detail
     await assert_only_sentinel_arrives(client, gw_settings)
 

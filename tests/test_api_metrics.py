@@ -72,6 +72,9 @@ async def seed_pipeline(pg_dsn: str) -> None:
         for offset, reason in enumerate(("invalid_json", "invalid_json", "too_large")):
             await conn.execute("""INSERT INTO dead_letters (topic, partition, "offset", raw,
                 reason, error) VALUES ('t', 0, $1, 'x', $2, 'bad')""", offset, reason)
+        # The same position parked by the miner too: each consumer's dead letter counts once.
+        await conn.execute("""INSERT INTO dead_letters (consumer, topic, partition, "offset",
+            raw, reason, error) VALUES ('miner', 't', 0, 0, 'x', 'bug', 'TypeError: …')""")
         for trainable, consumed in ((True, "stale"), (True, "trained"), (True, None),
                                     (False, None)):
             await conn.execute("""INSERT INTO rollout_groups (group_id, task_id, env, scored,
@@ -162,8 +165,9 @@ async def test_metrics_exposition_matches_the_database(
     assert one("flywheel_failures_mined_total", failure_mode="bad_arguments") == 1
     assert one("flywheel_failures_unverifiable") == 1
     assert one("flywheel_tasks", split="train") == 2 and one("flywheel_tasks", split="holdout") == 1
-    assert one("flywheel_dead_letters_total", reason="invalid_json") == 2
-    assert one("flywheel_dead_letters_total", reason="too_large") == 1
+    assert one("flywheel_dead_letters_total", consumer="ingest", reason="invalid_json") == 2
+    assert one("flywheel_dead_letters_total", consumer="ingest", reason="too_large") == 1
+    assert one("flywheel_dead_letters_total", consumer="miner", reason="bug") == 1
     assert one("flywheel_rollout_groups_scored_total") == 4
     assert one("flywheel_rollout_groups_trainable_total") == 3
     assert one("flywheel_rollout_groups_stale_dropped_total") == 1
@@ -231,7 +235,10 @@ async def test_status_endpoint_is_the_cli_status_plus_the_dashboard_data(
          "tasks_holdout": 1},
         {"failure_mode": "bad_arguments", "failures": 1, "unverifiable": 0, "tasks_train": 1,
          "tasks_holdout": 0}]
-    assert data["dlq"] == 3 and data["dlq_by_reason"] == {"invalid_json": 2, "too_large": 1}
+    assert data["dlq"] == 4
+    assert data["dlq_by_reason"] == {"bug": 1, "invalid_json": 2, "too_large": 1}
+    assert data["dlq_by_consumer"] == {"ingest": {"invalid_json": 2, "too_large": 1},
+                                       "miner": {"bug": 1}}
     assert data["groups_stale_dropped"] == 1 and data["pending_reviews"] == 1
     assert data["baseline"] is None
     who = await api.get("/v1/whoami", headers={"Authorization": "Bearer ops"})

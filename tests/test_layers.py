@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VOCABULARY = {"config", "events", "schemas", "tasks", "formats", "feedback"}
+VOCABULARY = {"config", "errors", "events", "schemas", "tasks", "formats", "feedback"}
 LAYERS: dict[str, int] = {
     # 0: the vocabulary, the ground floor: imports nothing else of ours
     **dict.fromkeys(VOCABULARY, 0),

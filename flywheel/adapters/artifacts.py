@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from flywheel.errors import PermanentError
 from flywheel.policy.base import AdapterRef, served_name
 
 if TYPE_CHECKING:
@@ -42,11 +43,11 @@ class AdapterExists(AdapterStoreError):
     """The version is already published; versions are immutable."""
 
 
-class AdapterNotFound(AdapterStoreError):
+class AdapterNotFound(AdapterStoreError, PermanentError):
     """No such published version."""
 
 
-class CorruptAdapter(AdapterStoreError):
+class CorruptAdapter(AdapterStoreError, PermanentError):
     """A published version fails verification against its manifest."""
 
 

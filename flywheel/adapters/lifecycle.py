@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from flywheel.config import Topics
 from flywheel.db.outbox import append_events
+from flywheel.errors import PermanentError
 from flywheel.events import (
     LIFECYCLE_EVENTS,
     AdapterEvaluated,
@@ -40,7 +41,7 @@ from flywheel.events import (
 PROJECTIONS = ("evaluations", "production", "serving_state", "adapter_versions")
 
 
-class LifecycleError(RuntimeError):
+class LifecycleError(PermanentError, RuntimeError):
     """A command whose preconditions do not hold (the message says what to do instead)."""
 
 

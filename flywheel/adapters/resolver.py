@@ -9,7 +9,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flywheel.adapters.artifacts import artifact_store
 from flywheel.config import Settings
+from flywheel.errors import PermanentError
 from flywheel.policy.base import AdapterRef
+
+
+class UnknownAdapter(PermanentError, LookupError):
+    """A version of the policy that was never registered (a request for it cannot be met)."""
 
 
 class AdapterResolver:
@@ -31,7 +36,7 @@ class AdapterResolver:
                     "SELECT 1 FROM adapter_versions WHERE policy = :p AND version = :v"),
                     {"p": self.policy, "v": version})).scalar()
             if registered is None:
-                raise LookupError(f"adapter {self.policy}@v{version} is not registered")
+                raise UnknownAdapter(f"adapter {self.policy}@v{version} is not registered")
             ref, _ = await asyncio.to_thread(self.store.load, self.policy, version)
             self._verified[version] = ref
         return self._verified[version]

@@ -13,7 +13,6 @@ Mounted with the gateway (it shares the gateway's producer, `gateway_lifespan`).
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 from typing import Any
@@ -23,8 +22,10 @@ from pydantic import BaseModel
 
 from flywheel.api.app import settings_of
 from flywheel.api.auth import Principal, require_scope
-from flywheel.api.gateway import describe_record_error, publish_or_503, read_body
-from flywheel.feedback import Feedback, parse_feedback
+from flywheel.api.gateway import publish_or_503, read_body
+from flywheel.feedback import Feedback
+from flywheel.ingest.decode import load_json, sniff
+from flywheel.ingest.feedback import validate_feedback
 
 log = logging.getLogger(__name__)
 _REPORTED = 10  # a 422 lists this many bad records
@@ -42,6 +43,7 @@ class FeedbackAccepted(BaseModel):
 
 
 def _target(ref: str) -> dict[str, Any]:
+    """The target a URL names: a trajectory id (a UUID), else a request id."""
     try:
         return {"trajectory_id": uuid.UUID(ref)}
     except ValueError:
@@ -49,14 +51,19 @@ def _target(ref: str) -> dict[str, Any]:
 
 
 def parse_feedback_body(body: bytes, *, ref: str | None) -> list[Feedback]:
-    """All records of a body as `Feedback`, or HTTPException 400/422 saying what is wrong."""
-    if b"\\u0000" in body:
-        raise HTTPException(422, "the body contains a NUL character (\\u0000), which cannot be "
-                                 "stored; remove it")
-    try:
-        doc = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-        raise HTTPException(400, f"the body is not valid UTF-8 JSON ({err})") from None
+    """All records of a body as `Feedback`, or HTTPException 400/422 saying what is wrong.
+
+    Each record is judged by the feedback boundary the miner decides with
+    (`flywheel.ingest.feedback`): refused here exactly when, with the same words, the miner
+    would park it if it were sent to Kafka directly."""
+    plain, doc = sniff(body)  # a plain body holds only plain records: no walk needed
+    if not plain:
+        doc = load_json(body)
+    if isinstance(doc, tuple):  # a Rejection (decoded JSON is never a tuple)
+        reason, error = doc
+        if reason == "not_json":
+            raise HTTPException(400, f"the body is not valid UTF-8 JSON ({error})")
+        raise HTTPException(422, f"the body: {error}")
     if ref is not None:
         if not isinstance(doc, dict):
             raise HTTPException(422, "send one feedback object to this URL (several go to "
@@ -68,17 +75,20 @@ def parse_feedback_body(body: bytes, *, ref: str | None) -> list[Feedback]:
         records = doc if isinstance(doc, list) else [doc]
     if not records:
         raise HTTPException(422, "the request holds no feedback; send at least one")
+    target = _target(ref) if ref is not None else {}
     out, invalid = [], []
     for i, record in enumerate(records):
-        try:
-            out.append(parse_feedback(record, **_target(ref)) if ref is not None
-                       else parse_feedback(record))
-        except (ValueError, TypeError, RecursionError) as err:  # incl. pydantic's
-            invalid.append(describe_record_error(i, err, label="feedback"))
+        result = validate_feedback(record, plain=plain, **target)
+        if isinstance(result, tuple):
+            invalid.append(f"feedback[{i}]: {result[1]}")
+        else:
+            out.append(result)
     if invalid:
         raise HTTPException(422, f"{len(invalid)} of {len(records)} feedback records are "
                                  f"invalid, nothing was published: "
-                                 + "; ".join(invalid[:_REPORTED]))
+                                 + "; ".join(invalid[:_REPORTED])
+                                 + (f"; and {len(invalid) - _REPORTED} more"
+                                    if len(invalid) > _REPORTED else ""))
     return out
 
 

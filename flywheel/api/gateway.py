@@ -7,10 +7,12 @@ The body is one trajectory, a JSON array of them, or `{"trajectories": [...]}`; 
 v1, an OpenAI Chat Completions transcript or a request/response pair, gets a content-derived
 id when it has none, and is named by the token's agent when it names none
 (`FLYWHEEL_API__TOKENS='{"tok": {"scopes": ["publish"], "agent": "support-bot"}}'`).
-The whole request is validated before anything is sent: one bad record rejects the request
-and nothing is published. 202 is answered only after the broker acknowledged every record
-(acks=all). If the broker fails midway some records may already be on the topic; the client
-retries the whole request, which is safe because ingest dedupes on trajectory_id.
+The whole request is validated before anything is sent, by ingest's own decoding boundary
+(the same decision, reason and words as a dead letter on the Kafka path): one bad record
+rejects the request and nothing is published. 202 is answered only after the broker
+acknowledged every record (acks=all). If the broker fails midway some records may already be
+on the topic; the client retries the whole request, which is safe because ingest dedupes on
+trajectory_id.
 
 Mount with `create_app(settings, routers=[gateway_router()], lifespan_hooks=[gateway_lifespan])`.
 """
@@ -18,7 +20,6 @@ Mount with `create_app(settings, routers=[gateway_router()], lifespan_hooks=[gat
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -28,14 +29,15 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from fastapi import APIRouter, FastAPI, HTTPException, Request, status
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from flywheel.api.app import create_app, settings_of
 from flywheel.api.auth import Principal, require_scope
 from flywheel.config import Settings
 from flywheel.formats import ParseContext
+from flywheel.ingest.decode import load_json, sniff, validate_record
 from flywheel.runtime.endpoints import resolve_bootstrap
-from flywheel.schemas import Trajectory, parse_trajectory
+from flywheel.schemas import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,6 @@ _BODY_DOC = ("One trajectory, a JSON array of them, or {\"trajectories\": [...]}
              " format, an OpenAI Chat Completions transcript (`messages`) or a request/"
              "response pair (`request`, `response`).")
 _REPORTED_RECORDS = 10  # a 422 lists this many bad records, then counts the rest
-_ERRORS_PER_RECORD = 3
 # Kafka's record framing (key, headers, batch header) on top of the value: the producer's
 # request limit must leave room for it so a value at exactly the payload limit still fits.
 _FRAMING_BYTES = 64 * 1024
@@ -79,24 +80,6 @@ class Rejection(Exception):
 # --- pure logic: bytes → validated records, or a rejection --------------------------------
 
 
-def _path(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else f".{part}"
-    return out
-
-
-def describe_record_error(index: int, err: Exception, *, label: str = "trajectories") -> str:
-    """`trajectories[3].outcome.status: Input should be …` (the style of ingest's DLQ errors)."""
-    where = f"{label}[{index}]"
-    if not isinstance(err, ValidationError):
-        return f"{where}: {err}"
-    errors = err.errors()
-    parts = [f"{where}{_path(tuple(e['loc']))}: {e['msg']}" for e in errors[:_ERRORS_PER_RECORD]]
-    more = len(errors) - _ERRORS_PER_RECORD
-    return "; ".join(parts) + (f"; and {more} more in {where}" if more > 0 else "")
-
-
 def split_records(doc: Any) -> list[Any]:
     """The records of a decoded body: an object, an array, or `{"trajectories": [...]}`."""
     if isinstance(doc, list):
@@ -115,23 +98,23 @@ def split_records(doc: Any) -> list[Any]:
 
 def prepare(body: bytes, *, max_payload_bytes: int,
             context: ParseContext | None = None) -> list[Prepared]:
-    """Decode and validate a request body; all records are good, or `Rejection` is raised."""
-    try:
-        return _prepare(body, max_payload_bytes=max_payload_bytes, context=context)
-    except RecursionError:
-        raise Rejection(400, "the body is nested too deeply to be a trajectory") from None
+    """Decode and validate a request body; all records are good, or `Rejection` is raised.
 
-
-def _prepare(body: bytes, *, max_payload_bytes: int,
-             context: ParseContext | None) -> list[Prepared]:
-    if b"\\u0000" in body:
-        raise Rejection(422, "the body contains a NUL character (\\u0000), which cannot be "
-                             "stored; remove it")
-    try:
-        doc = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise Rejection(400, f"the body is not valid UTF-8 JSON ({err}); send one trajectory"
-                             " object, an array of them, or {\"trajectories\": [...]}") from None
+    Each record is judged by ingest's own boundary (`flywheel.ingest.decode`), so a record
+    is refused here exactly when, with the same reason and words, it would be dead-lettered
+    if sent to Kafka directly. `context` names the agent of records that name none (the
+    token's agent).
+    """
+    plain, doc = sniff(body)  # a plain body holds only plain records: no walk needed
+    if not plain:
+        doc = load_json(body)
+    if isinstance(doc, tuple):  # a Rejection (decoded JSON is never a tuple)
+        reason, error = doc
+        if reason == "not_json":
+            raise Rejection(400, f"the body is not valid UTF-8 JSON ({error}); send one "
+                                 "trajectory object, an array of them, or "
+                                 "{\"trajectories\": [...]}")
+        raise Rejection(422, f"the body: {error}")
     records = split_records(doc)
     if not records:
         raise Rejection(422, "the request holds no trajectories; send at least one")
@@ -139,16 +122,14 @@ def _prepare(body: bytes, *, max_payload_bytes: int,
     invalid: list[str] = []
     too_large: list[str] = []
     for i, record in enumerate(records):
-        try:
-            t = parse_trajectory(record, context)
-        # TypeError: normalize() meets a wrongly typed field (e.g. metadata.unknown_fields).
-        except (ValueError, TypeError) as err:
-            invalid.append(describe_record_error(i, err))
+        result = validate_record(record, plain=plain, context=context)
+        if isinstance(result, tuple):
+            invalid.append(f"trajectories[{i}]: {result[1]}")
             continue
-        value = t.model_dump_json(exclude_none=True).encode()
+        value = result.model_dump_json(exclude_none=True).encode()
         if len(value) > max_payload_bytes:
             too_large.append(f"trajectories[{i}] is {len(value)} bytes")
-        prepared.append(Prepared(t, value))
+        prepared.append(Prepared(result, value))
     if invalid:
         shown = "; ".join(invalid[:_REPORTED_RECORDS])
         rest = len(invalid) - _REPORTED_RECORDS

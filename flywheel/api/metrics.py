@@ -112,9 +112,14 @@ def families(snap: dict[str, Any], lag: dict[str, dict[str, Any]], lag_error: st
     splits = {"train": 0, "holdout": 0, **snap["tasks_by_split"]}
     labelled(GaugeMetricFamily, "flywheel_tasks", "Verifiable tasks by split.", "split",
              splits.items())
-    labelled(CounterMetricFamily, "flywheel_dead_letters",
-             "Messages dead-lettered by ingest, by reason.", "reason",
-             snap["dlq_by_reason"].items())
+    dead = CounterMetricFamily(
+        "flywheel_dead_letters", "Messages a consumer could not process, by consumer (ingest:"
+        " refused input; miner, rollout, trainer, gate: parked) and reason.",
+        labels=["consumer", "reason"])
+    for consumer, reasons in snap["dlq_by_consumer"].items():
+        for reason, n in reasons.items():
+            dead.add_metric([consumer, reason], n)
+    out.append(dead)
     gauge("flywheel_outbox_pending", "Events written but not yet published by the relay.",
           snap["outbox_pending"])
     gauge("flywheel_outbox_parked", "Events the broker refused for good (see status).",

@@ -63,7 +63,8 @@ SELECT state, detail, version, steps, stale_dropped, metrics,
        extract(epoch FROM now() - updated_at) AS heartbeat_age_s
 FROM trainer_status ORDER BY updated_at DESC LIMIT 1
 """)
-_DLQ_REASONS = text("SELECT reason, count(*) FROM dead_letters GROUP BY reason ORDER BY reason")
+_DLQ = text("""SELECT consumer, reason, count(*) FROM dead_letters GROUP BY 1, 2
+               ORDER BY 1, 2""")
 _BREAKDOWN = text("""
 SELECT coalesce(f.failure_mode, t.failure_mode) AS failure_mode,
        coalesce(f.failures, 0) AS failures, coalesce(f.unverifiable, 0) AS unverifiable,
@@ -94,13 +95,18 @@ LAG_CACHE_S = 3.0
 async def counts(conn: AsyncConnection) -> dict[str, Any]:
     """Every Postgres figure of `flywheel status --json` (all but `lag`)."""
     row = (await conn.execute(_COUNTS)).mappings().one()
-    reasons = {r: int(n) for r, n in (await conn.execute(_DLQ_REASONS)).all()}
+    reasons: dict[str, int] = {}
+    by_consumer: dict[str, dict[str, int]] = {}
+    for consumer, reason, n in (await conn.execute(_DLQ)).all():
+        reasons[reason] = reasons.get(reason, 0) + int(n)
+        by_consumer.setdefault(consumer, {})[reason] = int(n)
     modes = {m: int(n) for m, n in (await conn.execute(_MODES)).all()}
     splits = {s: int(n) for s, n in (await conn.execute(_SPLITS)).all()}
     trainer = (await conn.execute(_TRAINER)).mappings().first()
     return {
         **{k: int(v) for k, v in row.items()},
-        "dlq_by_reason": reasons,
+        "dlq_by_reason": dict(sorted(reasons.items())),
+        "dlq_by_consumer": by_consumer,
         "failure_modes": modes,
         "tasks_by_split": splits,
         "trainer": _trainer(trainer),
@@ -154,7 +160,9 @@ async def collect(settings: Settings) -> dict[str, Any]:
     """`flywheel status --json`. Stable keys: trajectories, failures (with feedback applied),
     awaiting_outcome (stored without an outcome, none from feedback yet), feedback,
     feedback_applied, feedback_pending (its trajectory not stored yet), feedback_parked,
-    dlq, dlq_by_reason,
+    dlq (dead letters of every consumer), dlq_by_reason, dlq_by_consumer ({consumer:
+    {reason: n}}: ingest's refused input, and what the miner, its feedback subscriber,
+    rollout workers, trainer or gate parked),
     outbox_pending, outbox_parked, events, tasks, tasks_holdout, tasks_by_split,
     unverifiable, evalset_version, groups, groups_trainable, groups_backlog,
     groups_stale_dropped, rollouts_not_run, requests_outstanding, tasks_retired,

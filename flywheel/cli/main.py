@@ -123,6 +123,8 @@ def status(as_json: JsonOpt = False) -> None:
     for key in ("trajectories", "failures", "awaiting_outcome", "feedback_pending", "dlq",
                 "outbox_pending", "events"):
         table.add_row(key, str(data[key]))
+    for consumer, reasons in data["dlq_by_consumer"].items():
+        table.add_row(f"  dlq {consumer}", ", ".join(f"{r} {n}" for r, n in reasons.items()))
     for group, lag in data["lag"].items():
         table.add_row(f"lag {group}", str(lag["total"]))
     Console().print(table)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import sys
 from pathlib import Path
@@ -46,7 +47,9 @@ def publish(
         _fail("--agent names trajectories; feedback belongs to the trajectory it names")
     if file != "-" and not Path(file).exists():
         _fail(f"no such file: {file}")
-    stream = sys.stdin if file == "-" else open(file, encoding="utf-8")
+    # surrogateescape: a line that is not UTF-8 is reported as invalid, not a crash mid-file
+    stream = (io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="surrogateescape")
+              if file == "-" else open(file, encoding="utf-8", errors="surrogateescape"))
     try:
         report = asyncio.run(publish_lines(_settings(), stream, raw=raw, strict=strict,
                                            progress=not as_json, agent=agent,
@@ -55,7 +58,7 @@ def publish(
         _fail(str(exc))
         return
     finally:
-        if stream is not sys.stdin:
+        if file != "-":
             stream.close()
     if as_json:
         print(json.dumps(report, sort_keys=True))

@@ -107,9 +107,14 @@ class OutboxRow(Base):
 
 
 class DeadLetterRow(Base):
+    """A message some consumer could not process: refused by ingest (`DeadLettered`) or
+    parked by a downstream consumer (`RecordParked`). Each consumer reads the topic on its
+    own, so one message can be a dead letter of several, once each."""
+
     __tablename__ = "dead_letters"
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    consumer: Mapped[str] = mapped_column(Text, server_default=text("'ingest'"))
     topic: Mapped[str] = mapped_column(Text)
     partition: Mapped[int] = mapped_column(Integer)
     offset: Mapped[int] = mapped_column(BigInteger)
@@ -121,9 +126,10 @@ class DeadLetterRow(Base):
         DateTime(timezone=True), server_default=func.now()
     )
 
-    # One dead letter per source position: a re-delivered bad message is not counted twice.
+    # One dead letter per consumer and source position: a redelivery is not counted twice.
     __table_args__ = (
-        UniqueConstraint("topic", "partition", "offset", name="uq_dead_letters_position"),
+        UniqueConstraint("consumer", "topic", "partition", "offset",
+                         name="uq_dead_letters_position"),
     )
 
 

@@ -12,6 +12,7 @@ from importlib.metadata import entry_points
 
 from flywheel.environments.base import Environment
 from flywheel.environments.profile import profile_rewards
+from flywheel.errors import PermanentError
 
 GROUP = "flywheel.environments"
 
@@ -19,7 +20,7 @@ __all__ = ["GROUP", "Environment", "UnknownEnvironment", "available_environments
            "load_environment", "profile_rewards"]
 
 
-class UnknownEnvironment(LookupError):
+class UnknownEnvironment(PermanentError, LookupError):
     """No plugin of that name is installed."""
 
 

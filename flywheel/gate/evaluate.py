@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from flywheel.adapters.registry import newest_eval_set
 from flywheel.config import Settings
 from flywheel.environments import load_environment
+from flywheel.errors import TransientError
 from flywheel.events import ScoredRollout
 from flywheel.gate.decision import Attempt, EvalRun
 from flywheel.policy.base import AdapterRef, Policy
@@ -27,7 +28,7 @@ from flywheel.rollout.loop import GroupConfig, run_group
 from flywheel.tasks import TaskSpec, ToolCallSpec
 
 
-class NoEvalSet(RuntimeError):
+class NoEvalSet(TransientError, RuntimeError):
     """There is no frozen eval set to evaluate on."""
 
 

@@ -1,22 +1,35 @@
-"""Ingest logic with no I/O: raw Kafka records → trajectory rows and dead letters.
+"""The decoding boundary (no I/O): raw records → trajectories, rows and dead letters.
+
+One decision for every path: ingest (`classify_one`), the miner (`decode`), the HTTP
+gateway, the SDK and `flywheel publish` (`validate_record`, `check_trajectory`). Nothing
+here raises on input: any failure to decode or validate one record is that record's
+rejection with a readable reason, so no record can take its batch with it. Value ranges
+Postgres cannot store (`flywheel.ingest.storable`, timestamps and integers in
+`flywheel.schemas`) are schema errors here, never database errors later.
 
 Accepts the v1 format, Chat Completions transcripts and request/response pairs on the same
-topic; a record without an agent is named from the message's `flywheel-agent` header
-(`RawRecord.headers`), else `unknown`. Three tiers, each
-a fallback for the one before: the msgspec fast path (`flywheel.ingest.fastpath`, canonical v1 only,
-no pydantic object), pydantic straight from bytes (still canonical v1), and the general path
-(decode, normalize, validate) which also produces the readable error for the DLQ.
+topic; a record without an agent is named from its context (`flywheel.formats.ParseContext`:
+the message's `flywheel-agent` header, `RawRecord.headers`, the gateway token, the
+publisher's default), else `unknown`. The normalizers run inside the boundary: whatever they
+raise is the record's rejection. Three tiers, each a fallback for the one before: the
+msgspec fast path (`flywheel.ingest.fastpath`, canonical v1 only, no pydantic object),
+pydantic straight from bytes (still canonical v1), and the general path (decode, check
+storability, normalize, validate) which also produces the readable error for the DLQ.
+Payloads whose bytes may hide an unstorable value take the general path directly.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+import msgspec
 from pydantic import ValidationError
-from pydantic_core import PydanticSerializationError
 
+from flywheel.errors import describe
 from flywheel.events import (
     DeadLettered,
     DeadLetterPayload,
@@ -24,14 +37,31 @@ from flywheel.events import (
     TrajectoriesIngested,
     TrajectoriesIngestedPayload,
     derived_event_id,
+    preview,
+    storable_text,
 )
 from flywheel.formats import ParseContext, header_agent
-from flywheel.ingest.fastpath import RowData, cannot_be_canonical, fast_decode
+from flywheel.ingest.fastpath import (
+    RowData,
+    cannot_be_canonical,
+    fast_decode,
+    too_deep,
+)
+from flywheel.ingest.storable import TOO_DEEP, text_problem, unstorable
 from flywheel.schemas import Trajectory, parse_trajectory
 
-Reason = Literal["not_json", "schema", "too_large"]
-_TOO_DEEP = ("arrays/objects are nested too deeply to store; keep nesting under 200 levels "
-             "(e.g. send deep values as JSON strings)")
+log = logging.getLogger("flywheel.ingest")
+
+Reason = Literal["not_json", "schema", "too_large", "unstorable"]
+"""Why a record is dead-lettered. `unstorable` is the last resort: Postgres refused a record
+that validation let through (a gap in validation; logged loudly), so no record can wedge a
+batch even then."""
+Rejection = tuple[Reason, str]
+# A NUL or surrogate escape: only the decoded value can tell (`\\u0000` is no NUL).
+_ESCAPES = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])")
+# msgspec, untyped, refuses exactly what Python's json turns into NaN or infinity (NaN,
+# Infinity, 2e308, 400-digit floats), lone surrogates and over-long integers.
+_ANY_JSON = msgspec.json.Decoder()
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,80 +105,114 @@ def describe_validation_error(err: ValidationError, limit: int = 5) -> str:
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
+def validate_record(record: Any, *, plain: bool = False, context: ParseContext | None = None
+                    ) -> Trajectory | Rejection:
+    """One decoded JSON value → a trajectory, or why not. Never raises: the one boundary
+    the gateway, the SDK, `flywheel publish`, ingest and the miner all decide with.
+
+    `plain`: the value was decoded from a payload `sniff` found plain, so the storability
+    check (`unstorable`, a walk over every value) cannot find anything and is skipped.
+    `context`: where the record came from, naming the agent of a record that has none."""
+    problem = None if plain else unstorable(record)
+    if problem is not None:
+        return "schema", problem
+    try:
+        t = parse_trajectory(record, context)
+    except ValidationError as err:
+        return "schema", describe_validation_error(err)
+    except ValueError as err:
+        return "schema", str(err)
+    except Exception as err:  # a gap in our validation: refuse the record, say so loudly
+        log.error("dead-lettering a record that validation could not handle (%s); this is a "
+                  "bug in flywheel's validation", describe(err), exc_info=err)
+        return "schema", f"could not be read as a trajectory ({describe(err)})"
+    # The record itself was checked; an agent named by the context (a CLI argument, a
+    # configured token) was not.
+    problem = None if context is None else text_problem(t.agent)
+    if problem is not None:
+        return "schema", f"agent (from {t.metadata.get('agent_source', 'the record')}) {problem}"
+    return t
+
+
+def check_trajectory(t: Trajectory) -> str | None:
+    """Why a trajectory built in Python (not decoded) cannot be stored, or None."""
+    return unstorable(t.model_dump())
+
+
+def sniff(value: bytes) -> tuple[bool, Any]:
+    """(plain, doc). Plain: nothing in the payload that only the value check can judge (no
+    NUL or surrogate escape, no NaN, Infinity or number past a double, no over-long integer,
+    not too deep), so its decoded value is storable, and `doc` is that value (msgspec's
+    decoding, equal to `json.loads`'). Otherwise `(False, None)`: `load_json` it and check
+    the value. A false alarm (an emoji escape) only costs the slower path."""
+    if b"\\u" in value and _ESCAPES.search(value):
+        return False, None
+    if too_deep(value):
+        return False, None
+    try:
+        return True, _ANY_JSON.decode(value)
+    except (msgspec.DecodeError, RecursionError):
+        return False, None  # not JSON, or a value the fast tiers would keep, Postgres refuse
+
+
+def load_json(value: bytes) -> Any | Rejection:
+    """Parse JSON text; a `Rejection` (a tuple, never a JSON value) when it is not JSON."""
+    try:
+        return json.loads(value)
+    except RecursionError:  # valid JSON, only too deep for the parser
+        return "schema", TOO_DEEP
+    except ValueError as err:  # also bad UTF-8 and over-long integers
+        return "not_json", f"not valid JSON: {err}"
+
+
 def decode(value: bytes, *, max_bytes: int, context: ParseContext | None = None
-           ) -> Trajectory | tuple[Reason, str]:
+           ) -> Trajectory | Rejection:
     """One payload → a trajectory, or (reason, error) saying why it cannot be accepted."""
     if len(value) > max_bytes:
         return _too_large(value, max_bytes)
-    result, _ = _validate(value, context)
+    result, _ = _validate(value, sniff(value), context)
     return result
 
 
-def _too_large(value: bytes, max_bytes: int) -> tuple[Reason, str]:
+def _too_large(value: bytes, max_bytes: int) -> Rejection:
     return "too_large", f"payload is {len(value)} bytes; the limit is {max_bytes}"
 
 
-def _validate(value: bytes, context: ParseContext | None = None
-              ) -> tuple[Trajectory | tuple[Reason, str], bool]:
+def _validate(value: bytes, sniffed: tuple[bool, Any], context: ParseContext | None = None
+              ) -> tuple[Trajectory | Rejection, bool]:
     """The pydantic tiers; the flag says the payload was canonical (validated as-is)."""
-    if not cannot_be_canonical(value):
+    plain, doc = sniffed
+    if plain and not cannot_be_canonical(value):
         try:
             return Trajectory.model_validate_json(value), True
         except ValidationError:
             pass  # not canonical v1: chat format, missing id, unknown fields, or really invalid
-    try:
-        record = json.loads(value)
-    except ValueError as err:  # also over-long integers, beside JSONDecodeError/UnicodeError
-        return ("not_json", f"not valid JSON: {err}"), False
-    except RecursionError:  # bad input, not a crash: it would be redelivered forever
-        return ("not_json", _TOO_DEEP), False
-    try:
-        return parse_trajectory(record, context), False
-    except ValidationError as err:
-        return ("schema", describe_validation_error(err)), False
-    except ValueError as err:
-        return ("schema", str(err)), False
-    except RecursionError:  # deriving an id serializes the record
-        return ("schema", _TOO_DEEP), False
+    if plain:
+        return validate_record(doc, plain=True, context=context), False
+    doc = load_json(value)
+    if isinstance(doc, tuple):
+        return doc, False
+    return validate_record(doc, context=context), False
 
 
-def _unstorable(value: bytes) -> str | None:
-    """Valid-looking JSON that Postgres' jsonb refuses: NUL characters, NaN/Infinity."""
-    if b"\x00" in value or b"\\u0000" in value:
-        return "contains a NUL character (\\u0000), which Postgres cannot store; remove it"
-    if b"NaN" in value or b"Infinity" in value:
-        def refuse(token: str) -> None:
-            raise ValueError(token)
-
-        try:
-            json.loads(value, parse_constant=refuse)
-        except ValueError as err:
-            if str(err) in {"NaN", "Infinity", "-Infinity"}:
-                return f"contains {err}, which is not valid JSON; send null or a number"
-        except RecursionError:
-            return None  # rejected later as too deep
-    return None
-
-
-def _classify_one(rec: RawRecord, max_bytes: int) -> Accepted | Rejected:
+def classify_one(rec: RawRecord, max_bytes: int) -> Accepted | Rejected:
+    """One Kafka record → its row or its dead letter. Never raises."""
     value = rec.value
     if len(value) > max_bytes:
         return Rejected(rec, *_too_large(value, max_bytes))
-    problem = _unstorable(value)
-    if problem is not None:
-        return Rejected(rec, "schema", problem)
-    row = fast_decode(value)
+    sniffed = sniff(value)
+    row = fast_decode(value) if sniffed[0] else None
     if row is not None:
         return Accepted(rec, row, value.decode())
-    result, canonical = _validate(value, rec.context)
+    result, canonical = _validate(value, sniffed, rec.context)
     if not isinstance(result, Trajectory):
         return Rejected(rec, *result)
     if canonical:
         return Accepted(rec, RowData.of(result), value.decode())
     try:
         record_json = result.model_dump_json(exclude_none=True)
-    except (PydanticSerializationError, RecursionError):
-        return Rejected(rec, "schema", _TOO_DEEP)
+    except Exception as err:  # unreachable after `unstorable`; refused, never raised
+        return Rejected(rec, "schema", f"could not be serialized ({describe(err)})")
     return Accepted(rec, RowData.of(result), record_json)
 
 
@@ -156,7 +220,7 @@ def classify(records: list[RawRecord], *, max_bytes: int) -> tuple[list[Accepted
     accepted: list[Accepted] = []
     rejected: list[Rejected] = []
     for rec in records:
-        outcome = _classify_one(rec, max_bytes)
+        outcome = classify_one(rec, max_bytes)
         if isinstance(outcome, Accepted):
             accepted.append(outcome)
         else:
@@ -172,9 +236,8 @@ def dead_letter_event(r: Rejected) -> DeadLettered:
         aggregate_id=f"{src.topic}/{src.partition}/{src.offset}",
         payload=DeadLetterPayload(
             source_topic=src.topic, partition=src.partition, offset=src.offset,
-            reason=r.reason, error=r.error, size_bytes=len(src.value),
-            raw_preview=src.value[:1024].decode("utf-8", errors="replace").replace(
-                "\x00", "\ufffd"),
+            reason=r.reason, error=storable_text(r.error), size_bytes=len(src.value),
+            raw_preview=preview(src.value),
         ),
     )
 

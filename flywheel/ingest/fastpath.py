@@ -28,8 +28,10 @@ from pydantic import TypeAdapter, ValidationError
 
 from flywheel.schemas import (
     AWAITING_OUTCOME,
+    PG_BIGINT_MAX,
     CallStatus,
     OutcomeStatus,
+    StoredDatetime,
     Trajectory,
     TrajectoryStatus,
 )
@@ -45,7 +47,7 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 # as Raw, not built into Python objects: the fast path needs none of it and stores the bytes.
 Json = msgspec.Raw
 Content = str | list[dict[str, Json]] | None
-NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0, le=PG_BIGINT_MAX)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 
 
@@ -148,7 +150,7 @@ class FastTrajectory(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, g
 
 
 _DECODER = msgspec.json.Decoder(FastTrajectory)
-_DATETIME: TypeAdapter[datetime] = TypeAdapter(datetime)
+_DATETIME: TypeAdapter[datetime] = TypeAdapter(StoredDatetime)
 _TOP_LEVEL = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _TOP_LEVEL_FIELDS = frozenset(Trajectory.model_fields)
 # Exact on valid JSON (which is all it ever sees): outside strings JSON has no quotes.
@@ -168,7 +170,7 @@ def fast_decode(value: bytes) -> RowData | None:
         t = _DECODER.decode(value)
     except (ValueError, RecursionError):  # msgspec.DecodeError is a ValueError
         return None
-    if _too_deep(value) or _has_huge_number(value):
+    if too_deep(value) or has_huge_number(value):
         return None
     try:
         started = None if t.started_at is None else _DATETIME.validate_python(t.started_at)
@@ -194,7 +196,7 @@ def cannot_be_canonical(value: bytes) -> bool:
     return "trajectory_id" not in top or not top.keys() <= _TOP_LEVEL_FIELDS
 
 
-def _too_deep(value: bytes) -> bool:
+def too_deep(value: bytes) -> bool:
     """Whether the (valid) JSON document nests arrays/objects deeper than `MAX_DEPTH`."""
     if len(value.translate(None, _NOT_OPENERS)) <= MAX_DEPTH:
         return False  # the common case: too few brackets to be that deep
@@ -207,6 +209,6 @@ def _too_deep(value: bytes) -> bool:
     return bool(skeleton)
 
 
-def _has_huge_number(value: bytes) -> bool:
+def has_huge_number(value: bytes) -> bool:
     """Conservative: a run of digits that long, even inside a string, means "ask pydantic"."""
     return len(value) > MAX_INT_DIGITS and _TOO_MANY_DIGITS in value.translate(_DIGITS_AS_ZERO)

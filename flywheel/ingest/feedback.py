@@ -1,32 +1,63 @@
-"""Feedback records off the feedback topic → `Feedback`, or why one cannot be accepted (pure).
+"""The decoding boundary for feedback (pure, no I/O): payloads → `Feedback`, or why not.
 
-The same reasons as trajectories (`not_json`, `schema`, `too_large`), so a bad feedback is
-dead-lettered like a bad trajectory, with the source topic in its dead letter.
+The same boundary as trajectories (`flywheel.ingest.decode`): the gateway, `FeedbackClient`,
+`flywheel publish --feedback` and the miner's feedback subscriber all decide with it, and it
+never raises on input. Storability (NUL, lone surrogates, NaN/Infinity, nesting) is checked
+on the decoded value; any other exception while validating is the record's rejection,
+logged as a bug in validation. The miner parks what it refuses as its own dead letter
+(consumer `feedback`, `RecordParked` → `<prefix>.parked`).
 """
 
 from __future__ import annotations
 
-import json
+import logging
+import uuid
+from typing import Any
 
 from pydantic import ValidationError
 
+from flywheel.errors import describe
 from flywheel.feedback import Feedback, parse_feedback
-from flywheel.ingest.decode import Reason, describe_validation_error
+from flywheel.ingest.decode import Rejection, describe_validation_error, load_json, sniff
+from flywheel.ingest.storable import unstorable
+
+log = logging.getLogger("flywheel.ingest")
 
 
-def decode_feedback(value: bytes, *, max_bytes: int) -> Feedback | tuple[Reason, str]:
+def validate_feedback(record: Any, *, plain: bool = False,
+                      trajectory_id: uuid.UUID | None = None,
+                      request_id: str | None = None) -> Feedback | Rejection:
+    """One decoded JSON value → a `Feedback`, or (reason, error). Never raises.
+
+    `plain`: decoded from a payload `sniff` found plain (nothing to find by the storability
+    walk). `trajectory_id`/`request_id`: the target a URL names (`parse_feedback`)."""
+    problem = None if plain else unstorable(record)
+    if problem is not None:
+        return "schema", problem
+    try:
+        return parse_feedback(record, trajectory_id=trajectory_id, request_id=request_id)
+    except ValidationError as err:
+        return "schema", describe_validation_error(err)
+    except ValueError as err:
+        return "schema", str(err)
+    except Exception as err:  # a gap in our validation: refuse the record, say so loudly
+        log.error("refusing a feedback record that validation could not handle (%s); this is "
+                  "a bug in flywheel's validation", describe(err), exc_info=err)
+        return "schema", f"could not be read as feedback ({describe(err)})"
+
+
+def check_feedback(fb: Feedback) -> str | None:
+    """Why a `Feedback` built in Python (not decoded) cannot be stored, or None."""
+    return unstorable(fb.model_dump())
+
+
+def decode_feedback(value: bytes, *, max_bytes: int) -> Feedback | Rejection:
     """One payload → a `Feedback`, or (reason, error)."""
     if len(value) > max_bytes:
         return "too_large", f"payload is {len(value)} bytes; the limit is {max_bytes}"
-    if b"\x00" in value or b"\\u0000" in value:
-        return "schema", "contains a NUL character (\\u0000), which Postgres cannot store"
-    try:
-        record = json.loads(value)
-    except (ValueError, RecursionError) as err:
-        return "not_json", f"not valid JSON: {err}"
-    try:
-        return parse_feedback(record)
-    except ValidationError as err:
-        return "schema", describe_validation_error(err)
-    except (ValueError, TypeError, RecursionError) as err:
-        return "schema", str(err) or type(err).__name__
+    plain, doc = sniff(value)
+    if not plain:
+        doc = load_json(value)
+        if isinstance(doc, tuple):
+            return doc
+    return validate_feedback(doc, plain=plain)

@@ -12,6 +12,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from flywheel.events import storable_text
 from flywheel.ingest.decode import Accepted, Rejected
 
 _INSERT_TRAJECTORIES = text("""
@@ -116,7 +117,7 @@ async def insert_dead_letters(
         "keys": [r.source.key for r in rejected],
         "raws": [r.source.value for r in rejected],
         "reasons": [r.reason for r in rejected],
-        "errors": [r.error for r in rejected],
+        "errors": [storable_text(r.error) for r in rejected],
     })
     new = {(t, p, o) for t, p, o in rows.all()}
     return [r for r in rejected if (r.source.topic, r.source.partition, r.source.offset) in new]

@@ -8,9 +8,10 @@ projection `trajectory_outcomes` (the trajectory with all its feedback folded in
 arrival order) is written, `FeedbackReceived` is appended, and the trajectory is mined
 again with it. Feedback that names a trajectory not stored yet stays pending and is tried
 again on every sweep (`miner.feedback_sweep_s`) until it arrives; nothing is dropped.
-Feedback that cannot be applied (a bug, a record that no longer validates) is parked with
-its error and counted in status, never retried in a loop; a database error (a deadlock with
-another miner) leaves it pending for the next sweep.
+Feedback that cannot be applied (a bug, a record that no longer validates, a value the
+database refuses) is parked with its error and counted in status, never retried in a loop;
+a transient database error (a deadlock with another miner, `flywheel.errors.is_transient`)
+leaves it pending for the next sweep, and a lost connection is raised to the caller.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from flywheel.config import Topics
 from flywheel.db.outbox import append_events
-from flywheel.events import FeedbackReceived, FeedbackReceivedPayload, derived_event_id
+from flywheel.errors import describe, failure_of, is_transient
+from flywheel.events import (
+    FeedbackReceived,
+    FeedbackReceivedPayload,
+    derived_event_id,
+    storable_text,
+)
 from flywheel.feedback import Feedback
 from flywheel.mining.classify import Labeller
 from flywheel.mining.expected import feedback_calls
@@ -144,15 +151,20 @@ async def apply_pending(conn: AsyncConnection, *, topics: Topics, holdout_fracti
                 await _apply_to(conn, trajectory_id, parse_trajectory(record), feedback,
                                 stats, topics=topics, holdout_fraction=holdout_fraction,
                                 labeller=labeller)
-        except DBAPIError as err:  # a deadlock with another miner, a lost connection: later
-            log.warning("applying feedback to trajectory %s failed, retried by the next "
-                        "sweep: %s", trajectory_id, err)
-            if err.connection_invalidated:
-                raise
         except Exception as err:
+            if is_transient(err):
+                if not isinstance(err, DBAPIError) or err.connection_invalidated:
+                    raise  # the connection is gone: the caller retries the whole call
+                # A deadlock with another miner, a timeout: the savepoint rolled back, the
+                # rest goes on, and the next sweep tries this trajectory again.
+                log.warning("applying feedback to trajectory %s failed, retried by the next "
+                            "sweep: %s", trajectory_id, describe(err))
+                continue
+            failure = failure_of(err)  # bad data or a bug: retrying every sweep cannot help
             log.error("could not apply feedback %s to trajectory %s (parked): %s",
-                      [str(f.feedback_id) for f in feedback], trajectory_id, err)
-            await conn.execute(_PARK, {"e": f"{type(err).__name__}: {err}"[:2000],
+                      [str(f.feedback_id) for f in feedback], trajectory_id, failure.error,
+                      exc_info=err)
+            await conn.execute(_PARK, {"e": storable_text(failure.error)[:2000],
                                        "ids": [f.feedback_id for f in feedback]})
             stats.parked += len(feedback)
     return stats

@@ -14,7 +14,6 @@ path stored.
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
@@ -29,7 +28,6 @@ from flywheel.mining.classify import Labeller, classify_failure
 from flywheel.mining.expected import same_episode
 from flywheel.schemas import Trajectory
 
-log = logging.getLogger("flywheel.miner")
 Claim = Literal["claim", "upgrade", "refresh"]
 
 
@@ -41,13 +39,12 @@ class MineStats:
     unverifiable: int = 0
     upgraded: int = 0
     redelivered: int = 0
-    errors: int = 0
     awaiting: int = 0
     modes: Counter[str] = field(default_factory=Counter)
 
     def add(self, other: MineStats) -> None:
         for name in ("failures", "tasks_created", "tasks_joined", "unverifiable", "upgraded",
-                     "redelivered", "errors", "awaiting"):
+                     "redelivered", "awaiting"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.modes.update(other.modes)
 
@@ -119,33 +116,24 @@ async def _success(conn: AsyncConnection, t: Trajectory, stats: MineStats, *,
 
 async def mine_batch(conn: AsyncConnection, batch: list[Trajectory], *, holdout_fraction: float,
                      topics: Topics, labeller: Labeller | None = None) -> MineStats:
-    """Each trajectory in its own savepoint: one that cannot be mined is logged and skipped,
-    never allowed to wedge the partition."""
+    """Mine a batch in the caller's transaction. Errors propagate: the caller retries what
+    is transient and narrows anything else down to the trajectory that fails, which is
+    parked (`flywheel.runtime.consume.settle`), never skipped in silence."""
     stats = MineStats()
     stats.awaiting = sum(t.outcome is None for t in batch)
     for t in batch:
         if not t.is_success or t.session_id is None or request_key(t) is None:
             continue
-        try:
-            async with conn.begin_nested():
-                await lock_trajectory(conn, t)
-                await _success(conn, t, stats, holdout_fraction=holdout_fraction,
-                               topics=topics, labeller=labeller, as_ingested=True)
-        except Exception as err:
-            stats.errors += 1
-            log.error("could not record success %s: %s", t.trajectory_id, err)
+        await lock_trajectory(conn, t)
+        await _success(conn, t, stats, holdout_fraction=holdout_fraction, topics=topics,
+                       labeller=labeller, as_ingested=True)
     for t in batch:
         if not t.is_failure:
             continue
-        try:
-            async with conn.begin_nested():
-                await lock_trajectory(conn, t)
-                await _task_for(conn, t, await _retry(conn, t), stats,
-                                holdout_fraction=holdout_fraction, topics=topics,
-                                labeller=labeller, claim="claim")
-        except Exception as err:
-            stats.errors += 1
-            log.error("could not mine failure %s: %s", t.trajectory_id, err)
+        await lock_trajectory(conn, t)
+        await _task_for(conn, t, await _retry(conn, t), stats,
+                        holdout_fraction=holdout_fraction, topics=topics, labeller=labeller,
+                        claim="claim")
     return stats
 
 

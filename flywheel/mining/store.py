@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from flywheel.config import Topics
 from flywheel.db.outbox import append_events
+from flywheel.errors import PermanentError
 from flywheel.events import (
     EvalSetFrozen,
     EvalSetFrozenPayload,
@@ -173,7 +174,7 @@ async def freeze_eval_set(conn: AsyncConnection, topics: Topics) -> tuple[int, i
     return version, len(ids)
 
 
-class HoldoutRefused(ValueError):
+class HoldoutRefused(PermanentError, ValueError):
     pass
 
 

@@ -57,7 +57,7 @@ async def handle_request(req: RolloutRequestedPayload, *, engine: AsyncEngine, p
             log.error("refusing rollout request %s: %s", group_id, err)
             tasks = []
         if not tasks:
-            await _mark_failed(conn, group_id)
+            await mark_failed(conn, group_id)
             return None
     task = tasks[0]
     waited = await wait_for_admission(engine, settings)
@@ -80,16 +80,12 @@ async def handle_request(req: RolloutRequestedPayload, *, engine: AsyncEngine, p
     return outcome
 
 
-async def _mark_failed(conn: Any, request_id: uuid.UUID) -> None:
+async def mark_failed(conn: Any, request_id: uuid.UUID) -> None:
+    """The request will never be answered (its task or adapter is gone, or it was parked):
+    it stops holding admission budget at once."""
     await conn.execute(text("""UPDATE rollout_requests SET status = 'failed', done_at = now()
                                WHERE request_id = :g AND status = 'requested'"""),
                        {"g": request_id})
-
-
-async def fail_request(engine: AsyncEngine, request_id: uuid.UUID, reason: str) -> None:
-    async with engine.begin() as conn:
-        await _mark_failed(conn, request_id)
-    log.error("request %s failed for good: %s", request_id, reason)
 
 
 def worker_name() -> str:

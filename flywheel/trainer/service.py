@@ -1,8 +1,9 @@
 """The trainer service's logic: batching, staleness, steps, atomic publication, heartbeat.
 
 Durability: Kafka offsets are committed only up to groups whose effect is durable — trained
-into a published, registered version, or dropped as stale (recorded) — never past a group
-still waiting in the in-memory batch. A crash therefore resumes from the last published
+into a published, registered version, dropped as stale (recorded), or parked (a record that
+is no event, a step that fails for good: `dead_letters`, consumer `trainer`) — never past a
+group still waiting in the in-memory batch. A crash therefore resumes from the last published
 version (weights and optimizer state) and re-reads exactly the groups it had not published;
 groups already in a version are recognised in Postgres and skipped, so none is trained twice.
 """
@@ -28,8 +29,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from flywheel.adapters import registry
 from flywheel.adapters.lifecycle import project
 from flywheel.config import Settings
+from flywheel.db import deadletters
+from flywheel.db.deadletters import Parked
 from flywheel.db.outbox import append_events
-from flywheel.events import AdapterTrained, AdapterTrainedPayload, GroupScored, parse_event
+from flywheel.errors import InvalidRecord, failure_of, is_transient
+from flywheel.events import AdapterTrained, AdapterTrainedPayload, GroupScored
+from flywheel.runtime.consume import RetryPolicy, read_event, transiently
 from flywheel.trainer import store
 from flywheel.trainer.grpo import GRPOConfig
 
@@ -117,6 +122,7 @@ class TrainerService:
         self.steps_since_publish = 0
         self.stale_since_publish = 0
         self.status = TrainerState()
+        self.retry = RetryPolicy.of(settings.retry)
 
     @property
     def started(self) -> Trainer:
@@ -218,13 +224,21 @@ class TrainerService:
     async def on_records(self, records: Sequence[ConsumerRecord[bytes, bytes]],
                          consumer: AIOKafkaConsumer) -> None:
         """Take a fetch of `GroupScored` records; train and publish as batches fill."""
-        items = []
+        items, unreadable = [], []
         for r in records:
             tp = TopicPartition(r.topic, r.partition)
             self.consumed[tp] = max(self.consumed.get(tp, 0), r.offset + 1)
-            event = parse_event(r.value)
+            try:
+                event = read_event(r)
+            except InvalidRecord as err:  # parked below: it cannot hold up the groups after it
+                unreadable.append(Parked("trainer", r.topic, r.partition, r.offset, r.key,
+                                         r.value or b"", failure_of(err)))
+                continue
             if isinstance(event, GroupScored) and event.payload.trainable:
                 items.append(_Pending(tp, r.offset, event.payload))
+        if unreadable:
+            await self._park(unreadable)
+        parked = bool(unreadable)
         if items:
             self.status.last_group_at = time.monotonic()
         done = await self._already_consumed([p.group.group_id for p in items])
@@ -239,11 +253,43 @@ class TrainerService:
         b = self.settings.rollout.train_batch_groups
         while len(self.batch) >= b:
             chunk, self.batch = self.batch[:b], self.batch[b:]
-            await self._step(chunk)
+            try:
+                await self._step(chunk)
+            except Exception as err:
+                if is_transient(err):
+                    self.batch = chunk + self.batch  # retried with the next fetch
+                    raise
+                await self._park_step(chunk, err)
+                parked = True
+                continue
             if self.steps_since_publish >= self.settings.trainer.publish_every:
                 await self.publish(consumer)
         if self.stale:
             await self._record_stale(consumer)
+        elif parked:
+            await self._commit(consumer)  # parked records are durable: their offsets may move
+
+    async def _park(self, parked: list[Parked]) -> None:
+        """Durably record messages this trainer cannot use; their offsets may then move."""
+        async def write() -> None:
+            async with self.engine.begin() as conn:
+                await deadletters.park(conn, parked, self.settings.topics)
+
+        await transiently(write, self.retry, what=f"parking {len(parked)} records",
+                          logger=log)
+        log.error("parked %d records the trainer cannot read: %s", len(parked),
+                  parked[0].failure.error)
+
+    async def _park_step(self, chunk: list[_Pending], err: Exception) -> None:
+        """A step that fails for good (not an outage) parks its groups, loudly, instead of
+        failing every later step: which group broke it is in the error."""
+        failure = failure_of(err)
+        self.status.state = "waiting"
+        log.error("a training step failed (%s); parking its %d groups", failure.error,
+                  len(chunk), exc_info=err)
+        await self._park([Parked("trainer", p.tp.topic, p.tp.partition, p.offset,
+                                 str(p.group.group_id).encode(),
+                                 p.group.model_dump_json().encode(), failure) for p in chunk])
 
     async def _already_consumed(self, ids: list[uuid.UUID]) -> set[uuid.UUID]:
         if not ids:
