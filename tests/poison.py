@@ -21,6 +21,18 @@ class Poison:
 
 FIXED_ID = "5f0c4a55-5d3b-4c1e-9a57-0d6f3c9e2b10"
 
+
+def pair(*, answer: str = "Your order ships today.", tool_calls: object = None,
+         prompt_tokens: int = 12) -> dict[str, object]:
+    """A request/response pair (Data Flywheel shape) with no agent and no outcome."""
+    message: dict[str, object] = {"role": "assistant", "content": answer}
+    if tool_calls is not None:
+        message["tool_calls"] = tool_calls
+    return {"timestamp": 1767225600, "client_id": "shop", "workload_id": "orders",
+            "request": {"model": "m", "messages": [{"role": "user", "content": "where is it?"}]},
+            "response": {"id": "chatcmpl-poison", "choices": [{"message": message}],
+                         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 5}}}
+
 POISON: list[Poison] = [
     # 1. a timestamp valid in its own offset, out of range once converted to UTC
     Poison("year 1 at +23:59", b'{"agent":"x","started_at":"0001-01-01T00:00:00+23:59",'
@@ -57,4 +69,18 @@ POISON: list[Poison] = [
            b'"outcome":{"status":"success"}}', "schema", "less than or equal to"),
     Poison("a paired surrogate (an emoji) is fine", b'{"agent":"\\ud83d\\ude00",'
            b'"outcome":{"status":"success"}}', None),
+    # 5. the shapes agents log (flywheel.formats) are decided by the same boundary
+    Poison("pair: a NUL in the answer", json.dumps(pair(answer="a\u0000b")).encode(), "schema",
+           "response.choices[0].message.content: contains a NUL character"),
+    Poison("pair: response not an object", json.dumps({**pair(), "response": 5}).encode(),
+           "schema", "'response' must be an object"),
+    Poison("pair: tool_calls not a list", json.dumps(pair(tool_calls=5)).encode(), "schema",
+           "tool_calls must be a list"),
+    Poison("pair: usage beyond bigint", json.dumps(pair(prompt_tokens=2**63)).encode(),
+           "schema", "less than or equal to"),
+    Poison("pair: a timestamp past year 9999", json.dumps({**pair(), "timestamp": 10**20})
+           .encode(), "schema", "dates after 9999"),
+    Poison("neither items nor an outcome", b'{"agent":"a","metadata":{}}', "schema",
+           "it has neither"),
+    Poison("a pair without agent or outcome is stored", json.dumps(pair()).encode(), None),
 ]

@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 import consumers.miner
 import consumers.rollout
 from consumers.ingest import store
-from consumers.miner import miner_handlers
+from consumers.miner import feedback_handlers, miner_handlers
 from consumers.rollout import rollout_handlers
 from flywheel.config import Settings
 from flywheel.events import (
@@ -111,6 +111,58 @@ async def test_the_miner_parks_the_trajectory_it_cannot_mine_and_mines_the_rest(
     assert event["topic"] == settings.topics.parked
     payload = json.loads(event["payload"])
     assert (payload["consumer"], payload["offset"], payload["reason"]) == ("miner", 2, "bug")
+
+
+async def test_bad_feedback_is_parked_as_the_feedback_consumers_and_the_rest_applied(
+        settings: Settings, engine: AsyncEngine, pg_dsn: str) -> None:
+    """The feedback subscriber under the shared policy: what the feedback boundary refuses is
+    parked at once (consumer `feedback`, `RecordParked` → parked topic, not the trajectories'
+    DLQ), the good feedback of the same batch is stored and applied, and the whole batch is
+    committed once."""
+    topic = settings.topics.trajectories
+    trajectory = failure("a", "s1")
+    await store(engine, settings.topics, [classify_one(RawRecord(topic, 0, 0, None, trajectory),
+                                                       1 << 20)], FAST)
+    tid = json.loads(trajectory)["trajectory_id"]
+    apply, park = feedback_handlers(settings, engine)
+    feedback_topic = settings.topics.feedback
+    batch = records(feedback_topic, [
+        json.dumps({"trajectory_id": tid, "rating": "down", "note": "wrong amount"}).encode(),
+        b"{not json",
+        json.dumps({"request_id": "r-1"}).encode(),  # says nothing
+        json.dumps({"request_id": "r-2", "note": "a\u0000b"}).encode(),  # unstorable
+        json.dumps({"request_id": "r-3", "rating": "up",
+                    "metadata": {"unknown_fields": 5}, "extra": 1}).encode(),  # wrong type
+        json.dumps({"request_id": "r-4", "outcome": {"status": "failure", "reward": 1e400}})
+        .encode(),
+        json.dumps({"request_id": "r-5", "rating": "up"}).encode(),  # waits for r-5
+    ])
+    consumer = Consumer()
+    assert await handle(batch, consumer, apply, park, FAST) == 0  # type: ignore[arg-type]
+    assert consumer.commits == [{TopicPartition(feedback_topic, 0): 7}]
+    dead = await dead_letters(pg_dsn)
+    assert [(d["consumer"], d["offset"], d["reason"]) for d in dead] == [
+        ("feedback", n, "permanent") for n in (1, 2, 3, 4, 5)]
+    errors = [d["error"] for d in dead]
+    assert errors[0].startswith("not_json: not valid JSON")
+    assert "feedback says nothing" in errors[1] and "NUL character" in errors[2]
+    assert "unknown_fields must be an object" in errors[3] and "NaN, Infinity" in errors[4]
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        stored = {r[0]: r[1] for r in await conn.fetch(
+            "SELECT coalesce(request_id, trajectory_id::text), applied_at IS NOT NULL "
+            "FROM feedback")}
+        topics = {r[0] for r in await conn.fetch(
+            "SELECT o.topic FROM events e JOIN outbox o USING (event_id) "
+            "WHERE e.type = 'RecordParked'")}
+        status = await conn.fetchval("SELECT status FROM trajectory_outcomes")
+    finally:
+        await conn.close()
+    assert stored == {tid: True, "r-5": False}  # r-5's trajectory is not stored yet
+    assert topics == {settings.topics.parked} and status == "failure"
+    again = Consumer()  # redelivery: nothing new, nothing parked twice
+    assert await handle(batch, again, apply, park, FAST) == 0  # type: ignore[arg-type]
+    assert len(await dead_letters(pg_dsn)) == 5
 
 
 async def test_an_outage_is_retried_never_parked(settings: Settings, engine: AsyncEngine,

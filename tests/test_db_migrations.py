@@ -34,3 +34,14 @@ async def test_upgrade_head_on_empty_database_then_no_drift(postgres: LocalPostg
                       "adapter_versions", "trainer_status", "evaluations", "production",
                       "serving_state", "eval_runs", "baselines", "feedback",
                       "trajectory_outcomes"}
+
+
+def test_revisions_form_one_line() -> None:
+    """Two branches once both added a 0006: the history must stay one line (one head, each
+    revision the parent of the next), or `upgrade head` is ambiguous."""
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory.from_config(migrate.alembic_config("postgresql://unused"))
+    assert script.get_heads() == ["0007"]
+    chain = [rev.revision for rev in script.walk_revisions()]
+    assert chain == [f"{n:04d}" for n in range(7, 0, -1)]
