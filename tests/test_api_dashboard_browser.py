@@ -160,7 +160,7 @@ async def test_operator_approves_and_rolls_back_from_the_dashboard(
             def card(testid: str) -> Any:
                 return page.get_by_test_id(testid).locator(".value")
 
-            await expect(card("metric-trajectories")).to_have_text("5")
+            await expect(card("metric-trajectories")).to_have_text("6")  # 5 judged, 1 awaiting
             await expect(page.get_by_test_id("metric-trainer")).to_contain_text("training")
             await expect(card("metric-dlq")).to_have_text("4")
             await expect(page.get_by_test_id("metric-dlq")).to_contain_text("miner 1 (bug 1)")
