@@ -14,9 +14,24 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
+from flywheel.config import Settings
+
+
+def consumer_groups(settings: Settings) -> list[tuple[str, str]]:
+    """(group, topic) of every consumer group the stack runs: whose lag is reported, and
+    what `flywheel down` drains."""
+    topics = settings.topics
+    return [(settings.ingest.group_id, topics.trajectories),
+            (settings.miner.group_id, topics.trajectories),
+            (settings.rollout.group_id, topics.rollout_requests),
+            (settings.trainer.group_id, topics.rollouts),
+            (settings.gate.group_id, topics.adapters)]
+
 
 async def ensure_topics(bootstrap: str, topics: Iterable[str], *, partitions: int,
-                        replication_factor: int = 1) -> None:
+                        replication_factor: int = 1, retention_ms: int | None = None) -> None:
+    """Create the topics that are missing (existing ones are left as they are)."""
+    configs = {"retention.ms": str(retention_ms)} if retention_ms else {}
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
@@ -24,7 +39,8 @@ async def ensure_topics(bootstrap: str, topics: Iterable[str], *, partitions: in
         missing = [t for t in topics if t not in existing]
         if missing:
             try:
-                await admin.create_topics([NewTopic(t, partitions, replication_factor)
+                await admin.create_topics([NewTopic(t, partitions, replication_factor,
+                                                    topic_configs=configs)
                                            for t in missing])
             except TopicAlreadyExistsError:
                 pass  # created concurrently by another process
