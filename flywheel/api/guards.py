@@ -13,12 +13,15 @@ resort handlers. `create_app` installs them on every app, so every route gets th
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
-from typing import Annotated
+from typing import Annotated, Any
 
 import asyncpg
-from fastapi import FastAPI, HTTPException, status
+from fastapi import FastAPI, HTTPException, Request, status
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
@@ -158,7 +161,7 @@ def storable_or_422(value: str, where: str) -> str:
     try:
         return _storable(value)
     except ValueError as err:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, f"{where} {err}") from None
+        raise HTTPException(422, f"{where} {err}") from None
 
 
 _DOWN_SQLSTATES = ("08", "57P01", "57P02", "57P03", "53300")
@@ -190,6 +193,20 @@ def unavailable(exc: BaseException) -> str | None:
     return None
 
 
+class AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: a lone surrogate in the echoed input of a 422 cannot be
+    encoded as UTF-8, and would turn the 422 into a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return AsciiJSONResponse({"detail": jsonable_encoder(exc.errors())}, status_code=422)
+
+
 def install(app: FastAPI, max_request_bytes: int) -> None:
     """The guard around `app` (add it last: it must be the outermost user middleware)."""
+    app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_middleware(Guard, limit=max_request_bytes)

@@ -94,8 +94,7 @@ def _actor(principal: Principal, name: str | None) -> str:
     if name is not None:
         storable_or_422(name, "the X-Flywheel-Actor header")
         if len(name) > MAX_ACTOR:
-            raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY,
-                                f"the X-Flywheel-Actor header is {len(name)} characters; "
+            raise HTTPException(422, f"the X-Flywheel-Actor header is {len(name)} characters; "
                                 f"at most {MAX_ACTOR}")
     return f"{name} (token {principal.fingerprint})" if name else f"token {principal.fingerprint}"
 
@@ -168,9 +167,9 @@ def operator_router() -> APIRouter:
                        x_flywheel_actor: str | None = Header(default=None)) -> dict[str, Any]:
         """Re-point production to an earlier promoted version (audited)."""
         settings = settings_of(request)
+        if body.to not in (None, 0):  # checked before mapping: -1 is lifecycle.BASE
+            existing_version(body.to)
         to = lifecycle.BASE if body.to == 0 else body.to
-        if to is not None and to != lifecycle.BASE:
-            existing_version(to)
         try:
             async with _db(request).begin() as conn:
                 event = await lifecycle.rollback(
