@@ -42,7 +42,9 @@ app.command()(baseline)
 
 @app.command()
 def up(detach: Annotated[bool, typer.Option("--detach", "-d",
-                                            help="Return once everything is ready.")] = False
+                                            help="Return once everything is ready.")] = False,
+       repair_wait: Annotated[float, typer.Option(
+           help="On a running stack: how long to wait for what is dead to come back.")] = 60.0,
        ) -> None:
     """Start the broker, Postgres, migrations, the API and every consumer; on a running
     stack, check it and restart what is dead (non-zero exit when that fails)."""
@@ -53,7 +55,7 @@ def up(detach: Annotated[bool, typer.Option("--detach", "-d",
     settings = _settings()
     if detach:
         try:
-            run = detach_stack(settings)
+            run = detach_stack(settings, repair_wait_s=repair_wait)
         except (RuntimeError, StackDegraded) as err:
             _fail(str(err))
             return

@@ -65,12 +65,13 @@ def problems(run: dict[str, Any], *, readyz: bool = True) -> dict[str, str]:
     return found
 
 
-def detach(settings: Settings, timeout: float = 180) -> dict[str, Any]:
+def detach(settings: Settings, timeout: float = 180,
+           repair_wait_s: float = REPAIR_WAIT_S) -> dict[str, Any]:
     """Start the supervisor in its own session, or check and repair the running one;
     returns run.json (plus `repaired`: what had to be restarted)."""
     current = read_run(settings)
     if current and pid_alive(int(current.get("supervisor_pid") or 0)):
-        return repair(settings, current)
+        return repair(settings, current, repair_wait_s)
     settings.home.mkdir(parents=True, exist_ok=True)
     (settings.home / "logs").mkdir(exist_ok=True)
     (settings.home / STOP_REQUEST).unlink(missing_ok=True)

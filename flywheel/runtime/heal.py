@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -52,28 +53,32 @@ def start_broker(stack: Stack, previous: dict[str, Any] | None) -> None:
 
 
 def recover_lost(stack: Stack, lost: dict[str, Any] | None) -> None:
-    """After starting a fresh broker: topics, then republish the lost instance's events."""
-    assert stack.broker is not None and stack.settings.db.url
+    """After starting a fresh broker: topics, then republish what the lost instance may
+    have held (`recovery`), and say what could not be."""
+    assert stack.broker is not None and stack.settings.db.url and stack.settings.kafka.bootstrap
     ensure_topics(stack)
     if lost and lost.get("started_at"):
         groups = consumer_groups(stack.settings)
-        since = recovery.republish_since(lost.get("clean_at") or {}, lost["started_at"],
-                                         groups)
-        counts = run_sync(recovery.republish(stack.settings.db.url, since))
-        loss = {**recovery.loss_report(lost, groups, stack.settings.topics.trajectories),
-                "republished": counts}
-        n = sum(counts.values())
+        topic = stack.settings.topics.trajectories
+        since = recovery.republish_since(lost.get("clean_at") or {}, lost["started_at"], groups)
+        counts = run_sync(recovery.republish(stack.settings.db.url,
+                                             stack.settings.kafka.bootstrap, since, topic))
+        loss = {**recovery.loss_report(lost, groups, topic), "republished": counts}
+        events, stored = sum(n for t, n in counts.items() if t != topic), counts.get(topic, 0)
         if lost.get("drained"):
-            stack.notes.append(f"the previous broker was drained before it stopped; {n} "
-                               "recent outbox events republished (already consumed: no-ops)")
+            stack.notes.append(f"the previous broker was drained before it stopped; {events} "
+                               f"recent events and {stored} stored trajectories republished "
+                               "(already consumed: no-ops)")
         else:
             stack.broker_losses = [*stack.broker_losses[-4:], loss]
-            at_risk = loss["trajectories_at_risk"]
+            gone = loss["not_stored"]
             stack.notes.append(
-                f"a broker instance was lost: {n} outbox events republished to the new one; "
-                + ("no trajectory was waiting in it at the last lag read" if at_risk == 0
-                   else f"up to {at_risk} trajectories not yet stored were lost with it"
-                   if at_risk else "what it held unconsumed is unknown (no lag read)"))
+                f"a broker instance was lost: {events} outbox events and {stored} stored "
+                "trajectories republished to the new one; "
+                + ("no trajectory was waiting to be stored at the last lag read" if gone == 0
+                   else f"up to {gone} trajectories not yet stored were lost with it (the "
+                        "last lag read)" if gone else
+                   "what it held unconsumed is unknown (no lag read yet)"))
         log.warning("%s", stack.notes[-1])
     with stack._lock:
         stack.broker_state = recovery.new_state(stack.broker.pid, stack.broker.started_at)
@@ -115,13 +120,22 @@ def _postgres(stack: Stack, now: float) -> None:
     try:
         pg.start()
     except (RuntimeError, OSError) as err:
-        stack.pg_error = mask_text(str(err))[-600:]
+        stack.pg_error = postgres_reason(str(err))
         log.error("Postgres did not start (retrying in %.0fs): %s", b.delay(), stack.pg_error)
         b.died_at = None
         b.died(time.monotonic())
         return
     stack.pg_error = None
     log.warning("Postgres restarted (restart %d)", b.restarts)
+
+
+def postgres_reason(failure: str) -> str:
+    """The lines of a failed start that say why (FATAL, PANIC, HINT), secrets masked."""
+    lines = failure.splitlines()
+    head = lines[0] if lines else "postgres did not start"
+    why = [" ".join(ln.split("] ", 1)[-1].split()) for ln in lines[1:]
+           if any(k in ln for k in ("FATAL:", "PANIC:", "ERROR:", "could not"))]
+    return mask_text(head.rstrip(":") + ": " + "; ".join(dict.fromkeys(why[-4:])))[:600]
 
 
 def _broker(stack: Stack, now: float) -> None:
@@ -139,10 +153,16 @@ def _broker(stack: Stack, now: float) -> None:
 
 
 def _hold_consumers(stack: Stack) -> None:
-    for svc in stack.services:
-        if svc.name in KAFKA_CONSUMERS:
-            svc.held = True
-            svc.stop(5)  # stateless: Postgres and the outbox hold their work
+    """Stop every Kafka consumer, at once: they are stateless (Postgres and the outbox
+    hold their work) and cannot commit anything to a dead broker anyway."""
+    held = [s for s in stack.services if s.name in KAFKA_CONSUMERS and not s.held]
+    for svc in held:
+        svc.held = True
+    threads = [threading.Thread(target=svc.stop, args=(3,)) for svc in held]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def replace_broker(stack: Stack, now: float, *, drained: bool) -> None:

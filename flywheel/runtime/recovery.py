@@ -1,23 +1,22 @@
 """What the bundled broker holds that nothing else does, and recovering it when it is lost.
 
-The bundled broker keeps records in memory only. Two kinds of record pass through it:
+The bundled broker keeps records in memory only, so a lost broker instance takes with it
+every record a consumer group had not consumed. Three cases:
 
-* trajectories from agents (SDK, gateway, any Kafka client): Postgres has them only once
-  ingest stored them. The broker's loss takes whatever ingest (and the miner) had not
-  consumed yet; nothing can bring those back, so `flywheel down` drains them first and a
-  crash is reported with the lag last seen (`at_risk`).
-* events from the outbox (rollout requests, scored groups, adapter events, …): every one
-  is still a row of `outbox`, marked published. After a loss the rows published since the
-  last moment every consumer of their topic had consumed everything are marked unpublished
-  again, and the relay sends them to the new broker, in their original order. Consumers
-  are idempotent (event ids, request ids, versions), so what they had already seen is a
-  no-op and what they had not is not lost.
+* trajectories that ingest had not stored yet exist nowhere else: they are lost. How many
+  is known from the last lag read (`not_stored`), and `flywheel down` drains them first.
+* trajectories ingest had stored but the miner had not mined yet are in Postgres:
+  republished from `trajectories.record` (ingest dedupes them, the miner mines them).
+* events from the outbox (rollout requests, scored groups, adapter events, …) are rows of
+  `outbox`, marked published: marked unpublished again, so that the relay sends them to
+  the new broker in their original order.
 
-The supervisor reads every group's lag every `stack.watch_interval_s` and keeps, per topic,
-`clean_at`: the wall-clock time of the latest read in which every group on that topic had
-lag 0. It is saved in `<home>/broker-state.json` with the broker instance's start time, so
-the next `flywheel up` (after a crash of everything, or a `down` whose drain ran out of
-time) knows what the previous broker instance may have taken with it.
+Consumers are idempotent (trajectory ids, event ids, request ids, versions): what they had
+already seen is a no-op, what they had not is not lost. What is republished is bounded by
+`clean_at`: per consumer group, the wall-clock time of the latest lag read (every
+`stack.watch_interval_s`) in which that group had consumed everything. It is saved in
+`<home>/broker-state.json` with the broker instance's start time, so that the next
+`flywheel up` also knows what the previous instance may have taken with it.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from aiokafka import AIOKafkaProducer
 from sqlalchemy import text
 
 from flywheel.db.engine import make_engine
@@ -35,38 +35,39 @@ from flywheel.db.engine import make_engine
 STATE_FILE = "broker-state.json"
 MARGIN_S = 5.0
 """Republish this much earlier than `clean_at`: clocks of Python and Postgres may differ."""
+BATCH = 500
 
-_REPUBLISH = text("""
+_REPUBLISH_OUTBOX = text("""
 UPDATE outbox SET published_at = NULL
 WHERE topic = :topic AND error IS NULL AND published_at IS NOT NULL
   AND published_at >= to_timestamp(:since)
 """)
+_STORED_SINCE = text("""
+SELECT trajectory_id, record, ingested_at FROM trajectories
+WHERE ingested_at >= to_timestamp(:since)
+  AND (ingested_at, trajectory_id) > (CAST(:at AS timestamptz), CAST(:after AS uuid))
+ORDER BY ingested_at, trajectory_id LIMIT :n
+""")
 
 
-def mark_clean(clean_at: dict[str, float], lag: dict[str, int],
-               groups: list[tuple[str, str]], read_at: float) -> dict[str, float]:
-    """`clean_at` after a lag read that started at `read_at` (pure).
-
-    A topic becomes clean at `read_at` when every group consuming it reported lag 0; a
-    group missing from `lag` (the read failed) leaves its topic as it was."""
-    topics: dict[str, list[str]] = {}
-    for group, topic in groups:
-        topics.setdefault(topic, []).append(group)
-    out = dict(clean_at)
-    for topic, members in topics.items():
-        if all(lag.get(g) == 0 for g in members):
-            out[topic] = read_at
-    return out
+def mark_clean(clean_at: dict[str, float], lag: dict[str, int], read_at: float
+               ) -> dict[str, float]:
+    """`clean_at` after a lag read that started at `read_at` (pure): every group that
+    reported lag 0 is clean as of `read_at`; the others keep their time."""
+    return {**clean_at, **{g: read_at for g, n in lag.items() if n == 0}}
 
 
 def republish_since(clean_at: dict[str, float], broker_started_at: float | None,
                     groups: list[tuple[str, str]]) -> dict[str, float]:
-    """Per consumed topic, from when outbox rows must be republished after losing the
-    broker instance started at `broker_started_at` (pure). A topic never seen clean
-    republishes everything that instance received."""
+    """Per topic, from when its records must be republished after losing the broker
+    instance started at `broker_started_at` (pure): the oldest `clean_at` of its groups,
+    never before the instance started (what came earlier was in an older instance)."""
     start = broker_started_at or 0.0
-    return {topic: max(start, clean_at.get(topic, start)) - MARGIN_S
-            for topic in dict.fromkeys(t for _, t in groups)}
+    since: dict[str, float] = {}
+    for group, topic in groups:
+        t = max(start, clean_at.get(group, start)) - MARGIN_S
+        since[topic] = min(since.get(topic, t), t)
+    return since
 
 
 def load_state(home: Path) -> dict[str, Any] | None:
@@ -90,28 +91,59 @@ def new_state(broker_pid: int | None, started_at: float | None) -> dict[str, Any
             "lag": {}, "lag_read_at": None}
 
 
-async def republish(db_url: str, since: dict[str, float]) -> dict[str, int]:
-    """Mark outbox rows of each topic published since `since[topic]` unpublished again (the
-    relay sends them); returns how many per topic."""
+async def republish(db_url: str, bootstrap: str, since: dict[str, float],
+                    trajectories_topic: str) -> dict[str, int]:
+    """Republish what `since` says may be lost; returns how many records per topic."""
+    counts: dict[str, int] = {}
     engine = make_engine(db_url, pool_size=1)
     try:
         async with engine.begin() as conn:
-            counts = {}
             for topic, t in since.items():
-                result = await conn.execute(_REPUBLISH, {"topic": topic, "since": t})
+                if topic == trajectories_topic:
+                    continue
+                result = await conn.execute(_REPUBLISH_OUTBOX, {"topic": topic, "since": t})
                 counts[topic] = int(getattr(result, "rowcount", 0) or 0)
-        return counts
+        if trajectories_topic in since:
+            counts[trajectories_topic] = await _stored_trajectories(
+                engine, bootstrap, trajectories_topic, since[trajectories_topic])
     finally:
         await engine.dispose()
+    return counts
+
+
+async def _stored_trajectories(engine: Any, bootstrap: str, topic: str, since: float) -> int:
+    """Trajectories stored since `since`, back onto their topic (keyed by id as the SDK
+    does), for the groups that had not consumed them (the miner)."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5,
+                                max_request_size=8 * 1_048_576)
+    await producer.start()
+    sent = 0
+    at, after = "-infinity", "00000000-0000-0000-0000-000000000000"
+    try:
+        while True:  # in the order they were stored: the miner sees them as it would have
+            async with engine.connect() as conn:
+                rows = (await conn.execute(_STORED_SINCE, {"since": since, "at": at,
+                                                           "after": after, "n": BATCH})).all()
+            if not rows:
+                return sent
+            futures = [await producer.send(topic, json.dumps(record).encode(),
+                                           key=str(tid).encode()) for tid, record, _ in rows]
+            for f in futures:
+                await f
+            sent += len(rows)
+            after, at = str(rows[-1][0]), rows[-1][2]
+    finally:
+        await producer.stop()
 
 
 def loss_report(state: dict[str, Any], groups: list[tuple[str, str]],
                 trajectories_topic: str, now: float | None = None) -> dict[str, Any]:
-    """What a lost broker instance held, as far as the last lag read knows (pure)."""
+    """What a lost broker instance held, as far as its last lag read knows (pure):
+    `not_stored` trajectories ingest had not consumed (lost), and per group the lag."""
     lag: dict[str, int] = state.get("lag") or {}
-    at_risk = max((lag[g] for g, t in groups if t == trajectories_topic and g in lag),
-                  default=None)
+    first = next((g for g, t in groups if t == trajectories_topic), None)
     read_at = state.get("lag_read_at")
-    return {"lost_at": now or time.time(), "broker_started_at": state.get("started_at"),
-            "trajectories_at_risk": at_risk,
-            "lag_read_age_s": round((now or time.time()) - read_at, 1) if read_at else None}
+    at = now or time.time()
+    return {"lost_at": at, "broker_started_at": state.get("started_at"),
+            "not_stored": lag.get(first) if first else None, "lag": lag,
+            "lag_read_age_s": round(at - read_at, 1) if read_at else None}

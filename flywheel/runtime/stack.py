@@ -53,7 +53,14 @@ from flywheel.runtime.launch import (
 )
 from flywheel.runtime.logs import rotate_if_needed
 from flywheel.runtime.postgres import LocalPostgres
-from flywheel.runtime.supervise import Backoff, Service, pid_alive, run_sync
+from flywheel.runtime.supervise import (
+    Backoff,
+    Service,
+    become_subreaper,
+    pid_alive,
+    reap_orphans,
+    run_sync,
+)
 
 log = logging.getLogger("flywheel.up")
 
@@ -152,6 +159,7 @@ class Stack:
         signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
         signal.signal(signal.SIGINT, lambda *_: self._stop.set())
         signal.signal(signal.SIGUSR1, lambda *_: self._ask_repair())
+        become_subreaper()
         previous = read_run(self.settings)
         if previous and previous.get("supervisor_pid") == os.getpid():
             previous = None
@@ -191,8 +199,10 @@ class Stack:
             self._repair = False
             for b in (self.broker_backoff, self.pg_backoff, *(s.backoff for s in self.services)):
                 b.reset()
+        reap_orphans({p.proc.pid for p in self.services if p.proc is not None}
+                     | ({self.broker.proc.pid} if self.broker and self.broker.proc else set()))
         heal(self, now)
-        if now - self._last_rotate >= 5:
+        if now - self._last_rotate >= 2:
             self._last_rotate = now
             cfg = self.settings.stack
             for path in self.log_files():
@@ -230,8 +240,7 @@ class Stack:
             state = self.broker_state
             if self.broker is None or state.get("broker_pid") != self.broker.pid:
                 return  # read from an instance that is gone
-            state["clean_at"] = recovery.mark_clean(state.get("clean_at") or {}, lag,
-                                                    consumer_groups(self.settings), read_at)
+            state["clean_at"] = recovery.mark_clean(state.get("clean_at") or {}, lag, read_at)
             state["lag"], state["lag_read_at"] = lag, read_at
             recovery.save_state(self.home, state)
 

@@ -107,6 +107,43 @@ def pid_alive(pid: int | None) -> bool:
     return state not in ("Z", "X")
 
 
+def become_subreaper() -> bool:
+    """Make orphaned descendants (a killed postmaster, its backends) children of this
+    process, so that it can reap them (Linux `PR_SET_CHILD_SUBREAPER`). Without it a
+    killed Postgres stays a zombie until init gets to it, and its own lock-file check
+    takes the zombie for a live server and refuses to start."""
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+def reap_orphans(tracked: set[int]) -> list[int]:
+    """Reap zombie children that no `Popen` tracks (see `become_subreaper`)."""
+    me, reaped = os.getpid(), []
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    for entry in entries:
+        pid = int(entry)
+        if pid in tracked:
+            continue
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] == "Z" and int(fields[1]) == me:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+                reaped.append(pid)
+            except ChildProcessError:
+                pass
+    return reaped
+
+
 def rss_mb(pid: int | None) -> float | None:
     """Resident memory of `pid` in MiB (Linux), None when unknown."""
     if not pid:
