@@ -49,6 +49,8 @@ class DrainReport:
     notes: list[str] = field(default_factory=list)
     trajectory_groups: tuple[str, ...] = ()
     """The groups whose backlog exists only in the broker (ingest, the miner)."""
+    read_at: float | None = None
+    """Wall-clock start of the last lag read that answered (what `lag` describes)."""
 
     def summary(self) -> str:
         """What happened, in words (printed by `flywheel down`)."""
@@ -148,12 +150,13 @@ async def drain(settings: Settings, *, tick: Callable[[], None],
     silent = 0
     while True:
         tick()
+        read_at = time.time()
         lag, outbox = await asyncio.gather(read_lag(settings.kafka.bootstrap, groups),
                                            read_outbox(settings.db.url))
         now = time.monotonic()
         report.waited_s = now - start
         if lag is not None:
-            report.lag, silent = lag, 0
+            report.lag, report.read_at, silent = lag, read_at, 0
         else:
             silent += 1
             if silent >= 3:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +119,7 @@ async def _stored_trajectories(engine: Any, bootstrap: str, topic: str, since: f
                                 max_request_size=8 * 1_048_576)
     await producer.start()
     sent = 0
-    at, after = "-infinity", "00000000-0000-0000-0000-000000000000"
+    at, after = datetime(1970, 1, 1, tzinfo=UTC), "00000000-0000-0000-0000-000000000000"
     try:
         while True:  # in the order they were stored: the miner sees them as it would have
             async with engine.connect() as conn:

@@ -278,8 +278,7 @@ class Stack:
         summary = report.summary() if report else "stopped without draining"
         write_json_private(self.home / LAST_STOP, {
             "stopped_at": time.time(), "summary": summary,
-            "drain": None if report is None else {
-                k: v for k, v in vars(report).items() if k != "trajectory_groups"}})
+            "drain": None if report is None else vars(report)})
         (self.home / STOP_REQUEST).unlink(missing_ok=True)
         run_file(self.settings).unlink(missing_ok=True)
         log.info("stopped: %s", summary)
@@ -299,14 +298,13 @@ class Stack:
             log.info("%s", line)
             self._write(force=True)
 
-        started = time.time()
         report = run_sync(drain(self.settings, tick=self.tick, progress=progress,
                                 timeout_s=timeout_s))
         report.intake_closed = why is None
         if why:
             report.notes.append(why)
-        if report.lag:
-            self.record_lag(report.lag, started)
+        if report.lag and report.read_at:
+            self.record_lag(report.lag, report.read_at)
         self.drain_line = report.summary()
         log.info("%s", self.drain_line)
         return report

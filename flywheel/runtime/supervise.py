@@ -10,6 +10,7 @@ at 1 s (it was healthy; this is a new incident, not a crash loop).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("flywheel.up")
 
 STABLE_S = 60.0
 """A component that ran this long before it died is restarted as if for the first time."""
@@ -167,20 +169,22 @@ def descendants(pid: int) -> list[int]:
     return [p for c in children for p in (c, *descendants(c))]
 
 
-def stop_pid(pid: int, grace: float, sig: int = signal.SIGTERM) -> None:
-    """Signal `pid`, wait up to `grace` s, then SIGKILL it and whatever it started."""
+def stop_pid(pid: int, grace: float, sig: int = signal.SIGTERM) -> bool:
+    """Signal `pid`, wait up to `grace` s, then SIGKILL it and whatever it started.
+    True when it stopped by itself (or was not running)."""
     if not pid_alive(pid):
-        return
+        return True
     below = descendants(pid)
     try:
         os.kill(pid, sig)
     except ProcessLookupError:
-        return
+        return True
     deadline = time.monotonic() + grace
     while pid_alive(pid) and time.monotonic() < deadline:
         _reap(pid)
         time.sleep(0.1)
-    if pid_alive(pid):
+    clean = not pid_alive(pid)
+    if not clean:
         below = below or descendants(pid)
         for p in (pid, *below):
             try:
@@ -188,6 +192,7 @@ def stop_pid(pid: int, grace: float, sig: int = signal.SIGTERM) -> None:
             except ProcessLookupError:
                 pass
     _reap(pid)
+    return clean
 
 
 def _reap(pid: int) -> None:
@@ -238,8 +243,9 @@ class Service:
 
     def stop(self, grace: float) -> None:
         pid = self.pid
-        if pid is not None:
-            stop_pid(pid, grace)
+        if pid is not None and not stop_pid(pid, grace):
+            log.warning("%s (pid %d) did not stop within %.0fs of SIGTERM: killed", self.name,
+                        pid, grace)
         if self.proc is not None:
             self.proc.poll()
 
