@@ -32,9 +32,10 @@ class KafkaSettings(BaseModel):
     """Port of the bundled broker when `bootstrap` is unset."""
     retention_ms: int | None = Field(default=7 * 24 * 3600 * 1000, gt=0)
     """`retention.ms` of topics that Flywheel creates (existing topics are left alone): how
-    long the broker keeps a record, consumed or not. A real Kafka enforces it; so does the
-    bundled broker, on its own schedule. Keep it well above the longest outage of a
-    consumer. None = the broker's default."""
+    long the broker keeps a record, consumed or not. A real Kafka enforces it (keep it well
+    above the longest outage of a consumer); the bundled broker stores it but does not
+    enforce it, so its memory is bounded by `stack.broker_max_rss_mb`. None = the broker's
+    default."""
 
 
 class DbSettings(BaseModel):
@@ -300,10 +301,11 @@ class StackSettings(BaseModel):
     """A service's log file (`<home>/logs/<service>.log`) is rotated once it is larger."""
     log_keep: int = Field(default=5, ge=1)
     """Rotated log files kept per service (`<service>.log.1` … `.log.<keep>`)."""
-    broker_max_rss_mb: int = Field(default=2048, ge=64)
-    """The bundled broker keeps every record in memory and frees it only when its topics'
-    `retention.ms` expires; past this resident size the supervisor drains and recycles it
-    (intake paused meanwhile; nothing consumed or held in the outbox is lost)."""
+    broker_max_rss_mb: int = Field(default=2048, ge=16)
+    """The bundled broker keeps every record in memory and deletes none (it implements
+    neither retention nor DeleteRecords); past this resident size the supervisor drains
+    it and replaces it with a fresh one (intake paused meanwhile, at most every 10 min;
+    trajectories are drained first, outbox events republished: nothing stored is lost)."""
     watch_interval_s: float = Field(default=15.0, gt=0)
     """How often the supervisor reads consumer lag (for `flywheel status` and to know what
     a lost broker held) and the broker's memory."""

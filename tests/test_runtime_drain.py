@@ -80,3 +80,38 @@ async def test_down_while_publishing_then_up_loses_nothing_acknowledged(
         assert len(await stored_ids(stack)) == len(got)
     finally:
         stack.cli("down", "--no-drain")
+
+
+async def test_the_broker_is_drained_and_recycled_past_its_memory_cap(
+        services_dir: Path) -> None:
+    """The bundled broker deletes nothing: past `stack.broker_max_rss_mb` it is replaced by
+    a fresh one after a drain, and nothing acknowledged is lost meanwhile."""
+    home = services_dir / f"recycle-{uuid.uuid4().hex[:6]}"
+    stack = Stack(home, stack_env(home, FLYWHEEL_STACK__BROKER_MAX_RSS_MB="24"))
+    up = stack.cli("up", "--detach")
+    assert up.returncode == 0, up.stderr
+    try:
+        first = stack.run()["broker_pid"]
+        batch = records(4)
+        async with CountingPublisher(stack, batch) as pub:
+            assert pub.client is not None
+            await pub.run()
+            await pub.client.flush(timeout=120)
+        got = await wait_stored(stack, {r["trajectory_id"] for r in batch}, timeout=180)
+        deadline = time.monotonic() + 120
+        while stack.run()["broker_pid"] == first:
+            assert time.monotonic() < deadline, stack.run()["notes"]
+            await asyncio.sleep(1)
+        run = stack.run()
+        assert any(n.startswith("broker recycled: it held") for n in run["notes"])
+        assert stack.component("broker")["restarts"] == 1 and not run["broker"]["losses"]
+        assert len(got) == N, N - len(got)
+        # The fresh broker takes new records at once (intake was reopened).
+        more = records(5)[:50]
+        async with httpx.AsyncClient(base_url=run["api_url"], timeout=30) as http:
+            r = await http.post("/v1/trajectories", json=more,
+                                headers={"Authorization": f"Bearer {stack.token}"})
+        assert r.status_code == 202, r.text
+        assert len(await wait_stored(stack, {m["trajectory_id"] for m in more})) == 50
+    finally:
+        stack.cli("down", "--no-drain")

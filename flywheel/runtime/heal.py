@@ -97,13 +97,30 @@ def heal(stack: Stack, now: float) -> None:
                         svc.backoff.restarts + 1)
             svc.start(stack.env, now)
             svc.backoff.restarts += 1
-    broker = stack.broker
-    cap = stack.settings.stack.broker_max_rss_mb
-    if broker is not None and stack.status == "ready" and broker.alive():
-        rss = rss_mb(broker.pid)
-        if rss is not None and rss > cap:
-            recycle_broker(stack, f"it holds {rss:.0f} MiB, over stack.broker_max_rss_mb "
-                                 f"({cap} MiB)")
+    _memory(stack, now)
+
+
+RECYCLE_EVERY_S = 600.0
+"""Recycle the broker for memory at most this often: a cap set below what the broker
+needs idle must not turn into a restart loop (it is said in the status instead)."""
+
+
+def _memory(stack: Stack, now: float) -> None:
+    broker, cap = stack.broker, stack.settings.stack.broker_max_rss_mb
+    if broker is None or stack.status != "ready" or not broker.alive():
+        return
+    rss = rss_mb(broker.pid)
+    if rss is None or rss <= cap:
+        return
+    if stack.last_recycle is not None and now - stack.last_recycle < RECYCLE_EVERY_S:
+        note = (f"the broker holds {rss:.0f} MiB, over stack.broker_max_rss_mb ({cap} MiB), "
+                f"within {RECYCLE_EVERY_S:.0f}s of its last recycle: raise the cap")
+        if not stack.notes or stack.notes[-1] != note:
+            stack.notes.append(note)
+            log.warning("%s", note)
+        return
+    stack.last_recycle = now
+    recycle_broker(stack, f"it held {rss:.1f} MiB, over stack.broker_max_rss_mb ({cap} MiB)")
 
 
 def _postgres(stack: Stack, now: float) -> None:
@@ -172,13 +189,13 @@ def replace_broker(stack: Stack, now: float, *, drained: bool) -> None:
     assert broker is not None
     _hold_consumers(stack)
     with stack._lock:
-        lost = dict(stack.broker_state)
+        lost = {**stack.broker_state, "drained": drained}
     broker.stop()
     b = stack.broker_backoff
     b.restarting(now)
     try:
         broker.start()
-        recover_lost(stack, None if drained and _all_clean(lost) else lost)
+        recover_lost(stack, lost)
     except (RuntimeError, OSError) as err:
         stack.broker_error = mask_text(str(err))[-600:]
         log.error("the broker did not start (retrying in %.0fs): %s", b.delay(),
@@ -196,11 +213,6 @@ def replace_broker(stack: Stack, now: float, *, drained: bool) -> None:
             svc.start(stack.env, started)
     log.warning("broker restarted (restart %d); topics recreated, consumers restarted",
                 b.restarts)
-
-
-def _all_clean(state: dict[str, Any]) -> bool:
-    lag = state.get("lag") or {}
-    return bool(lag) and all(n == 0 for n in lag.values())
 
 
 def components(stack: Stack) -> dict[str, dict[str, Any]]:

@@ -84,6 +84,7 @@ class Stack:
         self.broker_state: dict[str, Any] = recovery.new_state(None, None)
         self.broker_losses: list[dict[str, Any]] = []
         self.drain_line: str | None = None
+        self.last_recycle: float | None = None
         self._lock = threading.Lock()
         self._repair = False
         self._stop = threading.Event()
