@@ -37,18 +37,21 @@ async def test_republish_resends_what_the_lost_instance_may_have_held(
             error) VALUES ($1, $2, 'k', 'parked', $3, 'too large')""", uuid.uuid4(),
             topics.adapters, now)
         stored = []
-        for age in (30, 8, 3, 2):  # minutes ago
+        # (minutes ago, partition, offset): the miner had committed offset 5 of partition 0
+        # and nothing of partition 1 when the broker was lost.
+        for age, part, offset in ((30, 0, 9), (8, 0, 4), (7, 0, 5), (3, 1, 0), (2, 0, 6)):
             tid = uuid.uuid4()
-            stored.append((age, str(tid)))
+            stored.append((age, offset >= 5 or part == 1, str(tid)))
             await conn.execute("""INSERT INTO trajectories (trajectory_id, agent, status,
-                is_failure, record, ingested_at) VALUES ($1, 'bot', 'success', false, $2, $3)""",
+                is_failure, record, ingested_at, source_topic, source_partition, source_offset)
+                VALUES ($1, 'bot', 'success', false, $2, $3, $4, $5, $6)""",
                 tid, json.dumps({"trajectory_id": str(tid), "agent": "bot"}),
-                now - timedelta(minutes=age))
+                now - timedelta(minutes=age), topics.trajectories, part, offset)
 
         counts = await republish(
             settings.db.url or "", settings.kafka.bootstrap or "",
             {topics.rollout_requests: cut.timestamp(), topics.adapters: cut.timestamp(),
-             topics.trajectories: cut.timestamp()}, topics.trajectories)
+             topics.trajectories: cut.timestamp()}, topics.trajectories, starts={0: 5})
 
         assert counts == {topics.rollout_requests: 1, topics.adapters: 1, topics.trajectories: 3}
         pending = await conn.fetch("""SELECT convert_from(value, 'UTF8') AS v FROM outbox
@@ -68,5 +71,6 @@ async def test_republish_resends_what_the_lost_instance_may_have_held(
                 break
     finally:
         await consumer.stop()
-    assert [k for k, _ in got] == [tid for age, tid in stored if age < 10]  # oldest first
+    # Stored since the cut and not committed by the miner, oldest first.
+    assert [k for k, _ in got] == [tid for age, unmined, tid in stored if age < 10 and unmined]
     assert all(v["trajectory_id"] == k for k, v in got)

@@ -20,7 +20,14 @@ from flywheel.runtime.logs import (
     rotate_if_needed,
     rotated_files,
 )
-from flywheel.runtime.recovery import MARGIN_S, loss_report, mark_clean, republish_since
+from flywheel.runtime.recovery import (
+    MARGIN_S,
+    first_unconsumed,
+    loss_report,
+    mark_clean,
+    record,
+    republish_since,
+)
 from flywheel.runtime.supervise import Backoff, pid_alive
 
 GROUPS = [("ingest", "t.traj"), ("miner", "t.traj"), ("rollout", "t.req"),
@@ -64,6 +71,19 @@ def test_a_reaped_or_zombie_process_is_not_alive() -> None:
 def test_clean_marks_only_groups_that_had_consumed_everything() -> None:
     clean = mark_clean({"miner": 50.0}, {"ingest": 0, "miner": 3, "rollout": 0}, 100.0)
     assert clean == {"ingest": 100.0, "miner": 50.0, "rollout": 100.0}
+
+
+def test_a_positions_read_is_folded_into_the_state() -> None:
+    state: dict[str, object] = {"clean_at": {"ingest": 1.0}}
+    record(state, {"ingest": {0: (10, 10), 1: (7, 9)}, "miner": {0: (4, 10), 1: (9, 9)},
+                   "rollout": {0: (3, 3)}}, read_at=50.0)
+    assert state["lag"] == {"ingest": 2, "miner": 6, "rollout": 0}
+    assert state["clean_at"] == {"ingest": 1.0, "rollout": 50.0}
+    assert state["committed"] == {"ingest": {"0": 10, "1": 7}, "miner": {"0": 4, "1": 9},
+                                  "rollout": {"0": 3}}
+    # From where stored trajectories must go back: the lower of ingest's and the miner's.
+    assert first_unconsumed(state, ["ingest", "miner"]) == {0: 4, 1: 7}
+    assert first_unconsumed({}, ["ingest"]) == {}
 
 
 def test_what_a_lost_broker_instance_must_republish() -> None:

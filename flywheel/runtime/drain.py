@@ -30,7 +30,7 @@ from sqlalchemy import text
 
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
-from flywheel.runtime.kafka import consumer_groups, group_lag
+from flywheel.runtime.kafka import consumer_groups, group_positions
 
 _PENDING = text("SELECT count(*) FROM outbox WHERE published_at IS NULL AND error IS NULL")
 READ_TIMEOUT_S = 5.0
@@ -51,6 +51,8 @@ class DrainReport:
     """The groups whose backlog exists only in the broker (ingest, the miner)."""
     read_at: float | None = None
     """Wall-clock start of the last lag read that answered (what `lag` describes)."""
+    positions: Positions = field(default_factory=dict)
+    """That read's committed offsets and highwaters (what a later recovery starts from)."""
 
     def summary(self) -> str:
         """What happened, in words (printed by `flywheel down`)."""
@@ -111,14 +113,30 @@ def reopen_intake(api_url: str, token: str | None) -> None:
         pass  # a restarted API opens with intake open anyway
 
 
-async def read_lag(bootstrap: str, groups: list[tuple[str, str]]) -> dict[str, int] | None:
-    """Total lag per group, None when the broker does not answer."""
+Positions = dict[str, dict[int, tuple[int, int]]]
+"""Per group, per partition: (committed offset, highwater)."""
+
+
+async def read_positions(bootstrap: str, groups: list[tuple[str, str]]) -> Positions | None:
+    """Every group's positions, None when the broker does not answer."""
     try:
         async with asyncio.timeout(READ_TIMEOUT_S):
-            found = await asyncio.gather(*(group_lag(bootstrap, g, t) for g, t in groups))
+            found = await asyncio.gather(*(group_positions(bootstrap, g, t) for g, t in groups))
     except Exception:
         return None
-    return {g: sum(parts.values()) for (g, _), parts in zip(groups, found, strict=True)}
+    return {g: parts for (g, _), parts in zip(groups, found, strict=True)}
+
+
+def totals(positions: Positions) -> dict[str, int]:
+    """Total lag per group (pure)."""
+    return {g: sum(max(0, high - done) for done, high in parts.values())
+            for g, parts in positions.items()}
+
+
+async def read_lag(bootstrap: str, groups: list[tuple[str, str]]) -> dict[str, int] | None:
+    """Total lag per group, None when the broker does not answer."""
+    positions = await read_positions(bootstrap, groups)
+    return None if positions is None else totals(positions)
 
 
 async def read_outbox(db_url: str) -> int | None:
@@ -151,12 +169,13 @@ async def drain(settings: Settings, *, tick: Callable[[], None],
     while True:
         tick()
         read_at = time.time()
-        lag, outbox = await asyncio.gather(read_lag(settings.kafka.bootstrap, groups),
-                                           read_outbox(settings.db.url))
+        positions, outbox = await asyncio.gather(
+            read_positions(settings.kafka.bootstrap, groups), read_outbox(settings.db.url))
+        lag = None if positions is None else totals(positions)
         now = time.monotonic()
         report.waited_s = now - start
-        if lag is not None:
-            report.lag, report.read_at, silent = lag, read_at, 0
+        if lag is not None and positions is not None:
+            report.lag, report.read_at, report.positions, silent = lag, read_at, positions, 0
         else:
             silent += 1
             if silent >= 3:

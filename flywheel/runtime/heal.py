@@ -61,8 +61,13 @@ def recover_lost(stack: Stack, lost: dict[str, Any] | None) -> None:
         groups = consumer_groups(stack.settings)
         topic = stack.settings.topics.trajectories
         since = recovery.republish_since(lost.get("clean_at") or {}, lost["started_at"], groups)
+        # Stored trajectories: those of the lost instance from the first offset a group had
+        # not committed (time alone would resend everything a slow miner never caught up on).
+        since[topic] = lost["started_at"] - recovery.MARGIN_S
+        starts = recovery.first_unconsumed(lost, [g for g, t in groups if t == topic])
         counts = run_sync(recovery.republish(stack.settings.db.url,
-                                             stack.settings.kafka.bootstrap, since, topic))
+                                             stack.settings.kafka.bootstrap, since, topic,
+                                             starts))
         loss = {**recovery.loss_report(lost, groups, topic), "republished": counts}
         events, stored = sum(n for t, n in counts.items() if t != topic), counts.get(topic, 0)
         if lost.get("drained"):
@@ -71,14 +76,13 @@ def recover_lost(stack: Stack, lost: dict[str, Any] | None) -> None:
                                "(already consumed: no-ops)")
         else:
             stack.broker_losses = [*stack.broker_losses[-4:], loss]
-            gone = loss["not_stored"]
+            gone, age = loss["not_stored"], loss["lag_read_age_s"]
             stack.notes.append(
                 f"a broker instance was lost: {events} outbox events and {stored} stored "
-                "trajectories republished to the new one; "
-                + ("no trajectory was waiting to be stored at the last lag read" if gone == 0
-                   else f"up to {gone} trajectories not yet stored were lost with it (the "
-                        "last lag read)" if gone else
-                   "what it held unconsumed is unknown (no lag read yet)"))
+                "trajectories republished to the new one; the trajectories ingest had not "
+                "stored yet are lost with it"
+                + (f" (ingest was {gone} behind at the last lag read, {age:.0f}s before)"
+                   if gone is not None and age is not None else " (no lag read yet)"))
         log.warning("%s", stack.notes[-1])
     with stack._lock:
         stack.broker_state = recovery.new_state(stack.broker.pid, stack.broker.started_at)

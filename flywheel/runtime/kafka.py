@@ -50,6 +50,13 @@ async def ensure_topics(bootstrap: str, topics: Iterable[str], *, partitions: in
 
 async def group_lag(bootstrap: str, group_id: str, topic: str) -> dict[int, int]:
     """Per-partition lag of `group_id` on `topic` (uncommitted partitions count from 0)."""
+    return {p: max(0, high - done)
+            for p, (done, high) in (await group_positions(bootstrap, group_id, topic)).items()}
+
+
+async def group_positions(bootstrap: str, group_id: str, topic: str
+                          ) -> dict[int, tuple[int, int]]:
+    """Per partition of `topic`: (offset `group_id` committed, highwater)."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group_id,
                                 enable_auto_commit=False)
     try:  # stopped even when starting fails (broker down) or is cancelled
@@ -75,7 +82,6 @@ async def group_lag(bootstrap: str, group_id: str, topic: str) -> dict[int, int]
                     highwater[tp] = consumer.highwater(tp)
             if asyncio.get_running_loop().time() > deadline:
                 break
-        return {tp.partition: max(0, (highwater[tp] or committed[tp]) - committed[tp])
-                for tp in tps}
+        return {tp.partition: (committed[tp], highwater[tp] or committed[tp]) for tp in tps}
     finally:
         await consumer.stop()

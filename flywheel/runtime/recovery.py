@@ -43,9 +43,13 @@ UPDATE outbox SET published_at = NULL
 WHERE topic = :topic AND error IS NULL AND published_at IS NOT NULL
   AND published_at >= to_timestamp(:since)
 """)
+# Rows ingested from the lost instance (since it started) whose source offset some group
+# had not committed: a partition missing from `starts` (never read) counts from offset 0.
 _STORED_SINCE = text("""
 SELECT trajectory_id, record, ingested_at FROM trajectories
-WHERE ingested_at >= to_timestamp(:since)
+WHERE ingested_at >= to_timestamp(:since) AND source_topic = :topic
+  AND source_offset >= coalesce(CAST(:starts AS jsonb) ->> CAST(source_partition AS text),
+                                '0')::bigint
   AND (ingested_at, trajectory_id) > (CAST(:at AS timestamptz), CAST(:after AS uuid))
 ORDER BY ingested_at, trajectory_id LIMIT :n
 """)
@@ -56,6 +60,27 @@ def mark_clean(clean_at: dict[str, float], lag: dict[str, int], read_at: float
     """`clean_at` after a lag read that started at `read_at` (pure): every group that
     reported lag 0 is clean as of `read_at`; the others keep their time."""
     return {**clean_at, **{g: read_at for g, n in lag.items() if n == 0}}
+
+
+def record(state: dict[str, Any], positions: dict[str, dict[int, tuple[int, int]]],
+           read_at: float) -> None:
+    """Fold one read of every group's positions into a broker instance's state (pure)."""
+    lag = {g: sum(max(0, h - c) for c, h in parts.values()) for g, parts in positions.items()}
+    state["clean_at"] = mark_clean(state.get("clean_at") or {}, lag, read_at)
+    state["lag"], state["lag_read_at"] = lag, read_at
+    # JSON keys are strings: partition numbers are kept as such.
+    state["committed"] = {g: {str(p): c for p, (c, _) in parts.items()}
+                          for g, parts in positions.items()}
+
+
+def first_unconsumed(state: dict[str, Any], groups: list[str]) -> dict[int, int]:
+    """Per partition, the lowest offset one of `groups` had not committed at the last read
+    (pure): records from there on may not have reached every group."""
+    out: dict[int, int] = {}
+    for g in groups:
+        for p, c in ((state.get("committed") or {}).get(g) or {}).items():
+            out[int(p)] = min(out.get(int(p), c), c)
+    return out
 
 
 def republish_since(clean_at: dict[str, float], broker_started_at: float | None,
@@ -93,8 +118,11 @@ def new_state(broker_pid: int | None, started_at: float | None) -> dict[str, Any
 
 
 async def republish(db_url: str, bootstrap: str, since: dict[str, float],
-                    trajectories_topic: str) -> dict[str, int]:
-    """Republish what `since` says may be lost; returns how many records per topic."""
+                    trajectories_topic: str, starts: dict[int, int] | None = None
+                    ) -> dict[str, int]:
+    """Republish what may be lost: outbox rows of each topic published since `since`,
+    and trajectories stored since `since[trajectories_topic]` from source offsets at or
+    past `starts[partition]` (`first_unconsumed`); returns how many records per topic."""
     counts: dict[str, int] = {}
     engine = make_engine(db_url, pool_size=1)
     try:
@@ -106,13 +134,14 @@ async def republish(db_url: str, bootstrap: str, since: dict[str, float],
                 counts[topic] = int(getattr(result, "rowcount", 0) or 0)
         if trajectories_topic in since:
             counts[trajectories_topic] = await _stored_trajectories(
-                engine, bootstrap, trajectories_topic, since[trajectories_topic])
+                engine, bootstrap, trajectories_topic, since[trajectories_topic], starts or {})
     finally:
         await engine.dispose()
     return counts
 
 
-async def _stored_trajectories(engine: Any, bootstrap: str, topic: str, since: float) -> int:
+async def _stored_trajectories(engine: Any, bootstrap: str, topic: str, since: float,
+                               starts: dict[int, int]) -> int:
     """Trajectories stored since `since`, back onto their topic (keyed by id as the SDK
     does), for the groups that had not consumed them (the miner)."""
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5,
@@ -123,8 +152,9 @@ async def _stored_trajectories(engine: Any, bootstrap: str, topic: str, since: f
     try:
         while True:  # in the order they were stored: the miner sees them as it would have
             async with engine.connect() as conn:
-                rows = (await conn.execute(_STORED_SINCE, {"since": since, "at": at,
-                                                           "after": after, "n": BATCH})).all()
+                rows = (await conn.execute(_STORED_SINCE, {
+                    "since": since, "topic": topic, "at": at, "after": after, "n": BATCH,
+                    "starts": json.dumps({str(p): o for p, o in starts.items()})})).all()
             if not rows:
                 return sent
             futures = [await producer.send(topic, json.dumps(record).encode(),

@@ -37,7 +37,7 @@ from typing import Any
 from flywheel.config import Settings, settings_env
 from flywheel.runtime import recovery
 from flywheel.runtime.broker import MEMORY_ONLY_NOTE, LocalBroker
-from flywheel.runtime.drain import close_intake, drain, read_lag
+from flywheel.runtime.drain import Positions, close_intake, drain, read_positions
 from flywheel.runtime.endpoints import read_run, run_file
 from flywheel.runtime.heal import ensure_topics, start_broker
 from flywheel.runtime.kafka import consumer_groups
@@ -126,14 +126,17 @@ class Stack:
         return self.settings
 
     def start_services(self, previous: dict[str, Any] | None = None) -> None:
-        """Spawn every service; services a dead supervisor left running are stopped first
-        (two trainers must never run at once)."""
-        for name, pid in ((previous or {}).get("pids") or {}).items():
-            svc = next((x for x in self.services if x.name == name), None)
-            if svc is not None and pid:
-                svc.adopted_pid = int(pid)
-                svc.stop(15)
-                svc.adopted_pid = None
+        """Spawn every service; services a dead supervisor left running are stopped first,
+        all at once (two trainers must never run at once)."""
+        orphans = [Service(name, [], self.logs / f"{name}.log", adopted_pid=int(pid))
+                   for name, pid in ((previous or {}).get("pids") or {}).items() if pid]
+        threads = [threading.Thread(target=o.stop, args=(15,)) for o in orphans]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if orphans:
+            self.notes.append(f"replaced {len(orphans)} services a dead supervisor had left")
         now = time.monotonic()
         for svc in self.services:
             svc.start(self.env, now)
@@ -231,18 +234,16 @@ class Stack:
             if self.broker is None:
                 return  # an external Kafka is durable: nothing to track
             started = time.time()
-            lag = asyncio.run(read_lag(self.settings.kafka.bootstrap, groups))
-            if lag is None:
-                continue
-            self.record_lag(lag, started)
+            positions = asyncio.run(read_positions(self.settings.kafka.bootstrap, groups))
+            if positions is not None:
+                self.record_positions(positions, started)
 
-    def record_lag(self, lag: dict[str, int], read_at: float) -> None:
+    def record_positions(self, positions: Positions, read_at: float) -> None:
         with self._lock:
             state = self.broker_state
             if self.broker is None or state.get("broker_pid") != self.broker.pid:
                 return  # read from an instance that is gone
-            state["clean_at"] = recovery.mark_clean(state.get("clean_at") or {}, lag, read_at)
-            state["lag"], state["lag_read_at"] = lag, read_at
+            recovery.record(state, positions, read_at)
             recovery.save_state(self.home, state)
 
     # ---------------------------------------------------------------- stop
@@ -304,8 +305,8 @@ class Stack:
         report.intake_closed = why is None
         if why:
             report.notes.append(why)
-        if report.lag and report.read_at:
-            self.record_lag(report.lag, report.read_at)
+        if report.positions and report.read_at:
+            self.record_positions(report.positions, report.read_at)
         self.drain_line = report.summary()
         log.info("%s", self.drain_line)
         return report
