@@ -71,6 +71,10 @@ def detach(settings: Settings, timeout: float = 180,
     returns run.json (plus `repaired`: what had to be restarted)."""
     current = read_run(settings)
     if current and pid_alive(int(current.get("supervisor_pid") or 0)):
+        if current.get("status") in ("draining", "stopping"):
+            raise RuntimeError("the stack is stopping (`flywheel down` is draining it: "
+                               f"{current.get('drain') or 'stopping services'}); run "
+                               "`flywheel up` again once it has stopped")
         return repair(settings, current, repair_wait_s)
     settings.home.mkdir(parents=True, exist_ok=True)
     (settings.home / "logs").mkdir(exist_ok=True)

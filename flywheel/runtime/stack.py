@@ -7,12 +7,12 @@ as a child process (ingest, miner, …, outbox relay, API). It keeps all of it r
 * a service that dies is restarted, with backoff (`supervise.Backoff`);
 * Postgres that dies is restarted the same way (services retry meanwhile; ingest fails
   its batch, is restarted and gets the batch redelivered: nothing is lost);
-* the broker that dies is restarted and its topics recreated; the Kafka consumers are
-  stopped first and started afresh afterwards (a consumer that kept its old position would
-  skip the new broker's first records), and the outbox events it may have taken with it
-  are republished (`recovery`); the trajectories it held unconsumed are lost and reported;
-* past `stack.broker_max_rss_mb` the broker is drained and recycled (it frees memory only
-  when `retention.ms` expires);
+* the broker that dies is restarted and its topics recreated (`heal`); the Kafka
+  consumers are stopped first and started afresh afterwards (a consumer that kept its old
+  position would skip the new broker's first records), and what Postgres holds of what it
+  may have taken with it — outbox events, stored but unmined trajectories — is republished
+  (`recovery`); trajectories it held that ingest had not stored are lost, and reported;
+* past `stack.broker_max_rss_mb` the broker is drained and replaced (it deletes nothing);
 * every log under `<home>/logs` is rotated by size (`logs`).
 
 `<home>/run.json` (mode 0600) is its report: where everything is, and per component its
@@ -257,7 +257,8 @@ class Stack:
         except (OSError, ValueError):
             pass
         report = None
-        if self.status == "ready" and request.get("drain", True):
+        # Only the bundled broker forgets: an external Kafka keeps what is not consumed yet.
+        if self.status == "ready" and request.get("drain", True) and self.broker is not None:
             report = self.drain(request.get("timeout_s"))
         self.status = "stopping"
         self._write(force=True)
@@ -277,7 +278,9 @@ class Stack:
             with self._lock:
                 self.broker_state["drained"] = True
                 recovery.save_state(self.home, self.broker_state)
-        summary = report.summary() if report else "stopped without draining"
+        summary = report.summary() if report else (
+            "stopped without draining" if self.broker is not None else
+            "stopped (no drain needed: the external Kafka keeps what is not consumed yet)")
         write_json_private(self.home / LAST_STOP, {
             "stopped_at": time.time(), "summary": summary,
             "drain": None if report is None else vars(report)})
