@@ -36,6 +36,12 @@ class KafkaSettings(BaseModel):
     evaluations and training steps on a CPU)."""
     local_port: int = 9092
     """Port of the bundled broker when `bootstrap` is unset."""
+    retention_ms: int | None = Field(default=7 * 24 * 3600 * 1000, gt=0)
+    """`retention.ms` of topics that Flywheel creates (existing topics are left alone): how
+    long the broker keeps a record, consumed or not. A real Kafka enforces it (keep it well
+    above the longest outage of a consumer); the bundled broker stores it but does not
+    enforce it, so its memory is bounded by `stack.broker_max_rss_mb`. None = the broker's
+    default."""
 
 
 class DbSettings(BaseModel):
@@ -320,6 +326,33 @@ class ApiSettings(BaseModel):
     """Largest request body; one trajectory is also bounded by `ingest.max_payload_bytes`."""
 
 
+class StackSettings(BaseModel):
+    """The local supervisor (`flywheel up`): restarts, draining, logs, the bundled broker."""
+
+    restart_backoff_max_s: float = Field(default=30.0, gt=0)
+    """Longest wait before restarting something that keeps dying (the wait doubles from
+    1 s with every restart in a row; a process that ran for a minute starts over at 1 s)."""
+    drain_timeout_s: float = Field(default=120.0, ge=0)
+    """`flywheel down` (and a broker recycle) waits at most this long for the trajectory
+    consumers to catch up and the outbox to empty before stopping everything."""
+    drain_recoverable_s: float = Field(default=15.0, ge=0)
+    """After that, how long it also waits for the consumers of outbox-fed topics (rollout,
+    trainer, gate): whatever they have not consumed is republished from the outbox at the
+    next start, so it is not lost either way."""
+    log_max_bytes: int = Field(default=10 * 1_048_576, ge=4096)
+    """A service's log file (`<home>/logs/<service>.log`) is rotated once it is larger."""
+    log_keep: int = Field(default=5, ge=1)
+    """Rotated log files kept per service (`<service>.log.1` … `.log.<keep>`)."""
+    broker_max_rss_mb: int = Field(default=2048, ge=16)
+    """The bundled broker keeps every record in memory and deletes none (it implements
+    neither retention nor DeleteRecords); past this resident size the supervisor drains
+    it and replaces it with a fresh one (intake paused meanwhile, at most every 10 min;
+    trajectories are drained first, outbox events republished: nothing stored is lost)."""
+    watch_interval_s: float = Field(default=15.0, gt=0)
+    """How often the supervisor reads consumer lag (for `flywheel status` and to know what
+    a lost broker held) and the broker's memory."""
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="FLYWHEEL_", env_nested_delimiter="__", extra="ignore"
@@ -342,6 +375,7 @@ class Settings(BaseSettings):
     retry: RetrySettings = Field(default_factory=RetrySettings)
     relay: RelaySettings = Field(default_factory=RelaySettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
+    stack: StackSettings = Field(default_factory=StackSettings)
 
     @model_validator(mode="before")
     @classmethod
@@ -417,7 +451,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
     env: dict[str, str] = {"FLYWHEEL_HOME": str(settings.home.resolve()),
                            "FLYWHEEL_POLICY": settings.policy}
     for section in ("kafka", "db", "ingest", "miner", "rollout", "trainer", "artifacts", "gate",
-                    "retry", "relay", "api"):
+                    "retry", "relay", "api", "stack"):
         model = getattr(settings, section)
         for key, value in model.model_dump(mode="json").items():
             if value is None:

@@ -165,6 +165,8 @@ async def test_operator_approves_and_rolls_back_from_the_dashboard(
             await expect(card("metric-dlq")).to_have_text("4")
             await expect(page.get_by_test_id("metric-dlq")).to_contain_text("miner 1 (bug 1)")
             await expect(card("metric-staleness")).to_have_text("1")
+            await expect(page.get_by_test_id("metric-stack")).to_contain_text(
+                "not supervised by flywheel up")  # this API runs without a local stack
             reward = page.locator('#reward-chart circle[data-testid="point"]')
             await expect(reward).to_have_count(3)
             assert await reward.first.get_attribute("data-value") == "0.3"

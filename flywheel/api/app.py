@@ -6,6 +6,10 @@ hook*: a function `app -> async context manager` that opens the resource on entr
 on `app.state`, and closes it on exit. `create_app` enters the hooks in order at startup and
 exits them in reverse order at shutdown.
 
+Every app gets `/healthz` and `/readyz` (`flywheel.api.health`) and the guard
+(`flywheel.api.guards`: the request-body limit, 503 for a dependency that is down, a JSON
+500 as the last resort), so no route can be added without them.
+
 Importing this module is cheap: no torch, no Kafka client.
 """
 
@@ -17,6 +21,8 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontext
 from fastapi import APIRouter, FastAPI, Request
 
 from flywheel import __version__
+from flywheel.api import guards
+from flywheel.api.health import health_router
 from flywheel.config import Settings
 
 LifespanHook = Callable[[FastAPI], AbstractAsyncContextManager[None]]
@@ -37,14 +43,11 @@ def create_app(settings: Settings, *, routers: Sequence[APIRouter] = (),
 
     app = FastAPI(title="Flywheel", version=__version__, lifespan=lifespan)
     app.state.settings = settings
-
-    @app.get("/healthz", tags=["ops"])
-    async def healthz() -> dict[str, str]:
-        """Liveness: the process serves HTTP. Needs no token."""
-        return {"status": "ok"}
-
+    app.state.probes = {}
+    app.include_router(health_router())
     for router in routers:
         app.include_router(router)
+    guards.install(app, settings.api.max_request_bytes)
     return app
 
 

@@ -33,6 +33,8 @@ from pydantic import BaseModel
 
 from flywheel.api.app import create_app, settings_of
 from flywheel.api.auth import Principal, require_scope
+from flywheel.api.health import add_probe
+from flywheel.api.intake import intake_of, intake_router
 from flywheel.config import Settings
 from flywheel.formats import ParseContext
 from flywheel.ingest.decode import load_json, sniff, validate_record
@@ -206,6 +208,11 @@ class Publisher:
         futures = [await producer.send(topic, value, key=key) for key, value in records]
         await asyncio.gather(*futures)
 
+    async def probe(self) -> None:
+        """Raises unless the broker answers a metadata request now (for `/readyz`)."""
+        producer = await self.producer()
+        await producer.client.fetch_all_metadata()
+
     async def stop(self) -> None:
         async with self._lock:
             if self._producer is not None:
@@ -223,6 +230,7 @@ async def gateway_lifespan(app: FastAPI) -> AsyncIterator[None]:
         log.warning("gateway: broker at %s not reachable at startup (%s); will retry on the"
                     " first request", publisher.bootstrap, err)
     app.state.gateway_publisher = publisher
+    add_probe(app, "kafka", publisher.probe)
     try:
         yield
     finally:
@@ -265,6 +273,10 @@ def gateway_router() -> APIRouter:
     async def post_trajectories(request: Request,
                                 principal: Principal = require_scope("publish")) -> Accepted:
         """Publish one trajectory, an array, or `{"trajectories": [...]}` (v1 or chat format)."""
+        async with intake_of(request.app).admit():  # 503 while the stack drains
+            return await _publish_request(request, principal)
+
+    async def _publish_request(request: Request, principal: Principal) -> Accepted:
         settings = settings_of(request)
         body = await read_body(request, settings.api.max_request_bytes)
         try:
@@ -287,8 +299,8 @@ def gateway_router() -> APIRouter:
 
 
 def create_gateway_app(settings: Settings) -> FastAPI:
-    """An API app serving only the gateway and its feedback routes (plus `/healthz`)."""
+    """An API app serving only the gateway, its feedback routes and intake (plus `/healthz`)."""
     from flywheel.api.feedback import feedback_router
 
-    return create_app(settings, routers=[gateway_router(), feedback_router()],
+    return create_app(settings, routers=[gateway_router(), feedback_router(), intake_router()],
                       lifespan_hooks=[gateway_lifespan])

@@ -7,11 +7,15 @@ answers the same, a restarted API loses nothing, and counters are the table coun
 HELP/TYPE, label escaping) from a fresh registry per scrape; there is no global state.
 
 Needs `app.state.db` (opened by `operator_lifespan`). No token: the figures are counts and
-states, never payloads; put the port behind your network policy like any exporter.
+states, never payloads; put the port behind your network policy like any exporter. A
+dependency that does not answer never fails the scrape: `flywheel_up{dependency="postgres"}`
+(or `"kafka"`) is 0 and the figures read from it are left out for that scrape.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -24,8 +28,12 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from flywheel.api.app import settings_of
-from flywheel.api.status import counts, lag_or_error
+from flywheel.api.guards import unavailable
+from flywheel.api.status import counts, describe_error, lag_or_error, stack_state
 from flywheel.config import Settings
+
+log = logging.getLogger("flywheel.api")
+SCRAPE_DB_TIMEOUT_S = 5.0
 
 TRAINER_STATES = ("absent", "starting", "waiting", "training", "starved", "stalled",
                   "stopped", "down")
@@ -69,11 +77,20 @@ async def snapshot(conn: AsyncConnection, settings: Settings) -> dict[str, Any]:
             "last_evaluation": dict(last) if last is not None else None}
 
 
-def families(snap: dict[str, Any], lag: dict[str, dict[str, Any]], lag_error: str | None
-             ) -> list[Metric]:
-    """The metric families of one scrape (pure: `snap` from `snapshot`, `lag` from
-    `status.lag_or_error`)."""
+def families(snap: dict[str, Any] | None, lag: dict[str, dict[str, Any]],
+             lag_error: str | None, stack: dict[str, Any] | None = None) -> list[Metric]:
+    """The metric families of one scrape (pure: `snap` from `snapshot`, None when Postgres
+    did not answer; `lag` from `status.lag_or_error`; `stack` from `status.stack_state`)."""
     out: list[Metric] = []
+    up = GaugeMetricFamily("flywheel_up", "1 when the dependency answered in this scrape.",
+                           labels=["dependency"])
+    up.add_metric(["postgres"], 0 if snap is None else 1)
+    up.add_metric(["kafka"], 0 if lag_error else 1)
+    out.append(up)
+    out.extend(_stack_families(stack))
+    if snap is None:  # the rest are Postgres figures: absent, not zero, while it is down
+        out.extend(_lag_families(lag, lag_error))
+        return out
 
     def counter(name: str, doc: str, value: float) -> None:
         out.append(CounterMetricFamily(name, doc, value=value))
@@ -125,15 +142,7 @@ def families(snap: dict[str, Any], lag: dict[str, dict[str, Any]], lag_error: st
     gauge("flywheel_outbox_parked", "Events the broker refused for good (see status).",
           snap["outbox_parked"])
 
-    # Consumer lag.
-    gauge("flywheel_kafka_up", "1 when consumer lag could be read from Kafka in this scrape.",
-          0 if lag_error else 1)
-    family = GaugeMetricFamily("flywheel_consumer_lag",
-                               "Messages not yet committed by the consumer group.",
-                               labels=["group", "topic"])
-    for group, info in lag.items():
-        family.add_metric([group, info["topic"]], info["total"])
-    out.append(family)
+    out.extend(_lag_families(lag, lag_error))
 
     # Rollouts and the trainer.
     counter("flywheel_rollout_groups_scored", "Scored rollout groups (trainable or not).",
@@ -186,6 +195,34 @@ def families(snap: dict[str, Any], lag: dict[str, dict[str, Any]], lag_error: st
     return out
 
 
+def _lag_families(lag: dict[str, dict[str, Any]], lag_error: str | None) -> list[Metric]:
+    kafka_up = GaugeMetricFamily("flywheel_kafka_up", "1 when consumer lag could be read from "
+                                 "Kafka in this scrape.", value=0 if lag_error else 1)
+    family = GaugeMetricFamily("flywheel_consumer_lag",
+                               "Messages not yet committed by the consumer group.",
+                               labels=["group", "topic"])
+    for group, info in lag.items():
+        family.add_metric([group, info["topic"]], info["total"])
+    return [kafka_up, family]
+
+
+def _stack_families(stack: dict[str, Any] | None) -> list[Metric]:
+    """What the local supervisor (`flywheel up`) reports: per component, up and restarts."""
+    components: dict[str, Any] = (stack or {}).get("components") or {}
+    if not components:
+        return []
+    up = GaugeMetricFamily("flywheel_stack_component_up",
+                           "1 when the local stack's component runs (`flywheel up`).",
+                           labels=["component"])
+    restarts = CounterMetricFamily("flywheel_stack_restarts",
+                                   "Times the local supervisor restarted the component.",
+                                   labels=["component"])
+    for name, info in sorted(components.items()):
+        up.add_metric([name], 1 if info.get("state") == "up" else 0)
+        restarts.add_metric([name], int(info.get("restarts") or 0))
+    return [up, restarts]
+
+
 class _Families(Collector):
     def __init__(self, found: list[Metric]) -> None:
         self.found = found
@@ -211,11 +248,19 @@ def metrics_router() -> APIRouter:
         it). Needs no token."""
         settings = settings_of(request)
         engine: AsyncEngine = request.app.state.db
-        async with engine.connect() as conn:
-            snap = await snapshot(conn, settings)
+        snap: dict[str, Any] | None = None
+        try:
+            async with asyncio.timeout(SCRAPE_DB_TIMEOUT_S), engine.connect() as conn:
+                snap = await snapshot(conn, settings)
+        except Exception as err:
+            if unavailable(err) is None:
+                raise
+            log.warning("/metrics: Postgres is unavailable (%s); reporting flywheel_up 0",
+                        describe_error(err))
         lag, lag_error = await lag_or_error(settings)
-        body, content_type = exposition(families(snap, lag, lag_error),
-                                        request.headers.get("accept", ""))
+        body, content_type = exposition(
+            families(snap, lag, lag_error, stack_state(settings)),
+            request.headers.get("accept", ""))
         return Response(body, headers={"Content-Type": content_type})
 
     return router

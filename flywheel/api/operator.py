@@ -16,31 +16,48 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, FastAPI, Header, HTTPException, Request, status
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flywheel.adapters import lifecycle, queries
 from flywheel.api.app import settings_of
 from flywheel.api.auth import Principal, require_scope
+from flywheel.api.guards import StorableText, existing_version, storable_or_422, unavailable
+from flywheel.api.health import add_probe
 from flywheel.api.serving import ServingSync
-from flywheel.api.status import lag_or_error, overview
+from flywheel.api.status import (
+    dependency_report,
+    describe_error,
+    lag_or_error,
+    overview,
+    stack_state,
+)
 from flywheel.db.engine import make_engine
 from flywheel.runtime.endpoints import resolve_db_url
 
+STATUS_DB_TIMEOUT_S = 5.0
+MAX_REASON = 4000
+MAX_ACTOR = 200
+EvaluationState = Literal["pending", "promoted", "rejected", "superseded"]
+
 
 class Decide(BaseModel):
-    reason: str = Field(min_length=1, description="Why (kept in the audit log).")
+    reason: StorableText = Field(min_length=1, max_length=MAX_REASON,
+                                 description="Why (kept in the audit log).")
     force: bool = Field(default=False,
                         description="Approve against the gate's reject recommendation.")
 
 
 class Rollback(BaseModel):
-    reason: str = Field(min_length=1)
-    to: int | None = Field(default=None, description="Version to return to; omitted = the "
-                           "previous production version; 0 = the base model.")
+    reason: StorableText = Field(min_length=1, max_length=MAX_REASON)
+    to: int | None = Field(default=None, strict=True,
+                           description="Version to return to; omitted = the previous "
+                                       "production version; 0 = the base model.")
 
 
 @asynccontextmanager
@@ -50,6 +67,12 @@ async def operator_lifespan(app: FastAPI) -> AsyncIterator[None]:
     serving = ServingSync(settings, engine)
     stop = asyncio.Event()
     app.state.db, app.state.serving = engine, serving
+
+    async def postgres_answers() -> None:
+        async with engine.connect() as conn:
+            await conn.execute(text("SELECT 1"))
+
+    add_probe(app, "postgres", postgres_answers)
     follow = asyncio.create_task(serving.run(stop)) if settings.api.serve else None
     try:
         yield
@@ -68,6 +91,11 @@ def _db(request: Request) -> AsyncEngine:
 
 
 def _actor(principal: Principal, name: str | None) -> str:
+    if name is not None:
+        storable_or_422(name, "the X-Flywheel-Actor header")
+        if len(name) > MAX_ACTOR:
+            raise HTTPException(422, f"the X-Flywheel-Actor header is {len(name)} characters; "
+                                f"at most {MAX_ACTOR}")
     return f"{name} (token {principal.fingerprint})" if name else f"token {principal.fingerprint}"
 
 
@@ -88,16 +116,33 @@ def operator_router() -> APIRouter:
         token may take)."""
         return {"fingerprint": principal.fingerprint, "scopes": sorted(principal.scopes)}
 
-    @router.get("/status", tags=["ops"])
-    async def pipeline_status(request: Request, _: Principal = reader) -> dict[str, Any]:
+    @router.get("/status", tags=["ops"], responses={503: {
+        "description": "Postgres is down: `detail` says so, `dependencies`, `lag` and `stack` "
+                       "say what is still known"}})
+    async def pipeline_status(request: Request, _: Principal = reader) -> Any:
         """`flywheel status --json` plus what the dashboard draws: trainer state, reward and
         holdout curves per adapter version, failure-mode breakdown, baseline. `lag_error`
-        says why `lag` is empty when Kafka does not answer."""
+        says why `lag` is empty when Kafka does not answer; `dependencies` says which of
+        Postgres and Kafka answer; `stack` is the local supervisor's view (restarts, …)."""
         settings = settings_of(request)
-        async with _db(request).connect() as conn:
-            data = await overview(conn, settings)
         lag, lag_error = await lag_or_error(settings)
-        return {**data, "lag": lag, "lag_error": lag_error}
+        data: dict[str, Any] | None = None
+        db_error: str | None = None
+        try:
+            async with asyncio.timeout(STATUS_DB_TIMEOUT_S), _db(request).connect() as conn:
+                data = await overview(conn, settings)
+        except Exception as err:
+            if unavailable(err) is None:
+                raise
+            db_error = describe_error(err)
+        known = {"lag": lag, "lag_error": lag_error,
+                 "dependencies": dependency_report(db_error, lag_error),
+                 "stack": stack_state(settings)}
+        if data is None:
+            return JSONResponse({**known, "detail": f"Postgres is unavailable ({db_error});"
+                                 " the pipeline figures come back when it answers"},
+                                status_code=503, headers={"Retry-After": "5"})
+        return {**data, **known}
 
     @router.get("/adapters")
     async def adapters(request: Request, _: Principal = reader) -> dict[str, Any]:
@@ -109,6 +154,8 @@ def operator_router() -> APIRouter:
 
     @router.get("/adapters/{version}")
     async def adapter(version: int, request: Request, _: Principal = reader) -> dict[str, Any]:
+        """One version: its row, its lifecycle events and its evaluations (404: none)."""
+        existing_version(version)
         async with _db(request).connect() as conn:
             found = await queries.get_adapter(conn, settings_of(request).policy, version)
         if found is None:
@@ -120,6 +167,8 @@ def operator_router() -> APIRouter:
                        x_flywheel_actor: str | None = Header(default=None)) -> dict[str, Any]:
         """Re-point production to an earlier promoted version (audited)."""
         settings = settings_of(request)
+        if body.to not in (None, 0):  # checked before mapping: -1 is lifecycle.BASE
+            existing_version(body.to)
         to = lifecycle.BASE if body.to == 0 else body.to
         try:
             async with _db(request).begin() as conn:
@@ -131,7 +180,7 @@ def operator_router() -> APIRouter:
         return event.model_dump(mode="json")
 
     @router.get("/promotions")
-    async def promotions(request: Request, state: str | None = None,
+    async def promotions(request: Request, state: EvaluationState | None = None,
                          _: Principal = reader) -> list[dict[str, Any]]:
         """Gate decision records, newest first (`state=pending` for the review queue)."""
         async with _db(request).connect() as conn:

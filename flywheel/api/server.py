@@ -17,17 +17,21 @@ def build_app(settings: Settings) -> FastAPI:
     from flywheel.api.dashboard import dashboard_router
     from flywheel.api.feedback import feedback_router
     from flywheel.api.gateway import gateway_lifespan, gateway_router
+    from flywheel.api.intake import intake_router
     from flywheel.api.metrics import metrics_router
     from flywheel.api.operator import operator_lifespan, operator_router
 
     return create_app(settings,
-                      routers=[gateway_router(), feedback_router(), operator_router(),
+                      routers=[gateway_router(), feedback_router(), intake_router(),
+                               operator_router(),
                                metrics_router(), dashboard_router()],
                       lifespan_hooks=[gateway_lifespan, operator_lifespan])
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from flywheel.runtime.logs import configure_logging
+
+    configure_logging(logging.INFO)
     settings = Settings()
     uvicorn.run(build_app(settings), host=settings.api.host, port=settings.api.port,
                 log_level="warning")

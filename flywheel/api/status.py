@@ -17,10 +17,12 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from flywheel.adapters import queries
 from flywheel.adapters.registry import latest_baseline
+from flywheel.api.guards import unavailable
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
-from flywheel.runtime.endpoints import StackNotRunning, resolve_bootstrap, resolve_db_url
-from flywheel.runtime.kafka import group_lag
+from flywheel.runtime.endpoints import StackNotRunning, read_run, resolve_bootstrap, resolve_db_url
+from flywheel.runtime.kafka import consumer_groups, group_lag
+from flywheel.runtime.logs import mask_secrets, mask_text
 
 _COUNTS = text("""
 SELECT (SELECT count(*) FROM trajectories)                          AS trajectories,
@@ -113,17 +115,6 @@ async def counts(conn: AsyncConnection) -> dict[str, Any]:
     }
 
 
-def consumer_groups(settings: Settings) -> list[tuple[str, str]]:
-    """(group, topic) of every consumer group whose lag is reported."""
-    topics = settings.topics
-    return [(settings.ingest.group_id, topics.trajectories),
-            (settings.miner.group_id, topics.trajectories),
-            (settings.miner.feedback_group_id, topics.feedback),
-            (settings.rollout.group_id, topics.rollout_requests),
-            (settings.trainer.group_id, topics.rollouts),
-            (settings.gate.group_id, topics.adapters)]
-
-
 async def lag(settings: Settings) -> dict[str, dict[str, Any]]:
     """Per consumer group: topic, total lag and lag per partition."""
     pairs = consumer_groups(settings)
@@ -136,7 +127,8 @@ async def lag(settings: Settings) -> dict[str, dict[str, Any]]:
 _lag_cache: dict[tuple[Any, ...], tuple[float, tuple[dict[str, Any], str | None]]] = {}
 
 
-async def lag_or_error(settings: Settings) -> tuple[dict[str, dict[str, Any]], str | None]:
+async def lag_or_error(settings: Settings, *, cached: bool = True
+                       ) -> tuple[dict[str, dict[str, Any]], str | None]:
     """`lag`, or ({}, why) when no broker is configured or it does not answer within
     `LAG_TIMEOUT_S`: a status page must still show what Postgres knows while Kafka is down.
 
@@ -145,7 +137,7 @@ async def lag_or_error(settings: Settings) -> tuple[dict[str, dict[str, Any]], s
     key = (settings.kafka.bootstrap, settings.home, tuple(consumer_groups(settings)))
     now = time.monotonic()
     hit = _lag_cache.get(key)
-    if hit is not None and now - hit[0] < LAG_CACHE_S:
+    if cached and hit is not None and now - hit[0] < LAG_CACHE_S:
         return hit[1]
     try:
         async with asyncio.timeout(LAG_TIMEOUT_S):
@@ -154,6 +146,48 @@ async def lag_or_error(settings: Settings) -> tuple[dict[str, dict[str, Any]], s
         result = {}, f"consumer lag unavailable: {str(err) or type(err).__name__}"
     _lag_cache[key] = (time.monotonic(), result)
     return result
+
+
+def stack_state(settings: Settings) -> dict[str, Any] | None:
+    """The local supervisor's view from run.json — its state, and per component (Postgres,
+    the broker, each service) whether it is up, its pid, restarts and last error — with
+    every secret masked. None when no local stack runs here."""
+    try:
+        run = read_run(settings)
+    except (OSError, ValueError):
+        return None
+    if not run:
+        return None
+    keep = ("status", "supervisor_pid", "components", "broker", "updated_at", "started_at",
+            "notes", "drain")
+    state: dict[str, Any] = mask_secrets({k: run[k] for k in keep if k in run})
+    return state
+
+
+async def _postgres_counts(settings: Settings) -> tuple[dict[str, Any] | None, str | None]:
+    """`counts`, or (None, why) when Postgres does not answer within `LAG_TIMEOUT_S`."""
+    engine = make_engine(resolve_db_url(settings), pool_size=1)
+    try:
+        async with asyncio.timeout(LAG_TIMEOUT_S):
+            async with engine.connect() as conn:
+                return await counts(conn), None
+    except Exception as err:
+        if unavailable(err) is None:
+            raise
+        return None, describe_error(err)
+    finally:
+        await engine.dispose()
+
+
+def describe_error(err: BaseException) -> str:
+    """One line for a dependency error, secrets masked (a DSN may appear in it)."""
+    return mask_text(f"{type(err).__name__}: {err}"[:300]) if str(err) else type(err).__name__
+
+
+def dependency_report(db_error: str | None, lag_error: str | None) -> dict[str, Any]:
+    """`dependencies` of every status answer: which of Postgres and Kafka answered."""
+    return {"postgres": {"up": db_error is None, "error": db_error},
+            "kafka": {"up": lag_error is None, "error": lag_error}}
 
 
 async def collect(settings: Settings) -> dict[str, Any]:
@@ -167,14 +201,13 @@ async def collect(settings: Settings) -> dict[str, Any]:
     unverifiable, evalset_version, groups, groups_trainable, groups_backlog,
     groups_stale_dropped, rollouts_not_run, requests_outstanding, tasks_retired,
     pending_reviews, failure_modes, trainer (state, version, steps, stale_dropped, metrics;
-    state `down` when its heartbeat is older than 30 s), lag (per consumer group)."""
-    engine = make_engine(resolve_db_url(settings), pool_size=1)
-    try:
-        async with engine.connect() as conn:
-            data = await counts(conn)
-    finally:
-        await engine.dispose()
-    return {**data, "lag": await lag(settings)}
+    state `down` when its heartbeat is older than 30 s), lag (per consumer group),
+    dependencies (`postgres` / `kafka`: up, error), stack (the local supervisor's view, or
+    null). While Postgres is down only lag, dependencies and stack are there."""
+    (data, db_error), (lags, lag_error) = await asyncio.gather(
+        _postgres_counts(settings), lag_or_error(settings, cached=False))
+    return {**(data or {}), "lag": lags, "dependencies": dependency_report(db_error, lag_error),
+            "stack": stack_state(settings)}
 
 
 async def overview(conn: AsyncConnection, settings: Settings) -> dict[str, Any]:

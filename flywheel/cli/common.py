@@ -17,7 +17,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output, 
 
 
 def _fail(message: str) -> NoReturn:
-    console.print(f"[red]error:[/red] {message}")
+    console.print(f"[red]error:[/red] {message}", soft_wrap=True)  # whole lines for scripts
     raise typer.Exit(2)
 
 

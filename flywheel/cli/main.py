@@ -44,51 +44,78 @@ app.command()(baseline)
 
 @app.command()
 def up(detach: Annotated[bool, typer.Option("--detach", "-d",
-                                            help="Return once everything is ready.")] = False
+                                            help="Return once everything is ready.")] = False,
+       repair_wait: Annotated[float, typer.Option(
+           help="On a running stack: how long to wait for what is dead to come back.")] = 60.0,
        ) -> None:
-    """Start the broker, Postgres, migrations, the API and every consumer."""
+    """Start the broker, Postgres, migrations, the API and every consumer; on a running
+    stack, check it and restart what is dead (non-zero exit when that fails)."""
+    from flywheel.runtime.control import StackDegraded
+    from flywheel.runtime.control import detach as detach_stack
     from flywheel.runtime.stack import Stack
-    from flywheel.runtime.stack import detach as detach_stack
 
     settings = _settings()
     if detach:
         try:
-            run = detach_stack(settings)
-        except RuntimeError as err:
+            run = detach_stack(settings, repair_wait_s=repair_wait)
+        except (RuntimeError, StackDegraded) as err:
             _fail(str(err))
             return
         _print_run(run, settings.home)
         return
-    import logging
+    from flywheel.runtime.logs import configure_logging
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    Stack(settings).run()
+    configure_logging()
+    try:
+        Stack(settings).run()
+    except RuntimeError as err:
+        _fail(str(err))
 
 
 def _print_run(run: dict[str, Any], home: Path) -> None:
+    from flywheel.runtime.broker import MEMORY_ONLY_NOTE
+    from flywheel.runtime.logs import mask_url
+
     home = Path(run.get("home") or home).resolve()  # what the running supervisor uses
-    console.print("[green]flywheel is up[/green]")
+    repaired = run.get("repaired") or []
+    console.print("[green]flywheel is up[/green]"
+                  + (f" (repaired: {', '.join(repaired)} restarted)" if repaired else ""))
     # soft_wrap: a long path is printed whole, never folded, so it can be copied.
     console.print(f"  home      FLYWHEEL_HOME={home}", soft_wrap=True)
     console.print(f"  kafka     {run['kafka_bootstrap']}")
-    console.print(f"  postgres  {run['database_url']}")
+    console.print(f"  postgres  {mask_url(run['database_url'])}", soft_wrap=True)
     console.print(f"  api       {run['api_url']}")
     if run.get("dashboard_url"):
         console.print(f"  dashboard {run['dashboard_url']}")
     console.print(f"  logs      {run['logs']}")
-    console.print(f"  tokens    in {home / 'run.json'} (publish / operate)",
-                  soft_wrap=True)
+    console.print(f"  secrets   database password and tokens (publish / operate) in "
+                  f"{home / 'run.json'} (mode 0600)", soft_wrap=True)
+    for note in run.get("notes") or []:
+        console.print(f"  note      {note}", soft_wrap=True)
+    if run.get("broker"):
+        console.print(f"[yellow]  broker    {MEMORY_ONLY_NOTE}[/yellow]", soft_wrap=True)
 
 
 @app.command()
-def down() -> None:
-    """Stop everything `flywheel up --detach` started."""
-    from flywheel.runtime.stack import down as stop_stack
+def down(
+    no_drain: Annotated[bool, typer.Option("--no-drain", help="Stop at once: whatever the "
+                                           "bundled broker holds unconsumed is lost.")] = False,
+    timeout: Annotated[float | None, typer.Option(help="Longest wait for the consumers to "
+                                                  "catch up (default stack.drain_timeout_s)."
+                                                  )] = None,
+) -> None:
+    """Stop intake, drain the consumers and the outbox (bounded), then stop everything."""
+    from flywheel.runtime.control import down as stop_stack
 
-    if stop_stack(_settings()):
-        console.print("stopped")
+    settings = _settings()
+    if not console.is_terminal:  # a log or a pipe: one line per change, no spinner
+        said = stop_stack(settings, drain=not no_drain, drain_timeout_s=timeout,
+                          progress=lambda line: console.print(line, soft_wrap=True))
     else:
-        console.print("nothing running")
+        with console.status("stopping intake and draining…") as shown:
+            said = stop_stack(settings, drain=not no_drain, drain_timeout_s=timeout,
+                              progress=lambda line: shown.update(line))
+    console.print("nothing running" if said is None else f"stopped: {said}", soft_wrap=True)
 
 
 @app.command()
@@ -105,7 +132,8 @@ def migrate() -> None:
 
 @app.command()
 def status(as_json: JsonOpt = False) -> None:
-    """Pipeline counts and consumer lag."""
+    """Pipeline counts, consumer lag, and the local stack's components (exit 1 when Postgres
+    or Kafka does not answer: what is known is still printed)."""
     from flywheel.api.status import collect
     from flywheel.runtime.endpoints import StackNotRunning
 
@@ -114,19 +142,40 @@ def status(as_json: JsonOpt = False) -> None:
     except StackNotRunning as err:
         _fail(str(err))
         return
+    down = [name for name, dep in data["dependencies"].items() if not dep["up"]]
     if as_json:
         print(json.dumps(data, sort_keys=True))
-        return
+    else:
+        _print_status(data)
+    if down:
+        raise typer.Exit(1)
+
+
+def _print_status(data: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title="flywheel status", show_header=False)
+    for name, dep in data["dependencies"].items():
+        table.add_row(name, "[green]up[/green]" if dep["up"]
+                      else f"[red]down[/red]: {dep['error']}")
     for key in ("trajectories", "failures", "awaiting_outcome", "feedback_pending", "dlq",
                 "outbox_pending", "events"):
-        table.add_row(key, str(data[key]))
-    for consumer, reasons in data["dlq_by_consumer"].items():
+        if key in data:
+            table.add_row(key, str(data[key]))
+    for consumer, reasons in (data.get("dlq_by_consumer") or {}).items():
         table.add_row(f"  dlq {consumer}", ", ".join(f"{r} {n}" for r, n in reasons.items()))
     for group, lag in data["lag"].items():
         table.add_row(f"lag {group}", str(lag["total"]))
+    stack = data.get("stack") or {}
+    for name, info in (stack.get("components") or {}).items():
+        state = info.get("state")
+        colour = "green" if state == "up" else "yellow" if state == "stopped" else "red"
+        extra = f", {info['restarts']} restarts" if info.get("restarts") else ""
+        error = f" — {info['last_error']}" if info.get("last_error") and state != "up" else ""
+        table.add_row(f"stack {name}", f"[{colour}]{state}[/{colour}] (pid {info.get('pid')}"
+                                       f"{extra}){error}")
+    for note in stack.get("notes") or []:
+        table.add_row("note", note)
     Console().print(table)
 
 

@@ -111,7 +111,7 @@ def _demo_settings(base: Settings) -> Settings:
     import shutil
 
     from flywheel.runtime.broker import free_port
-    from flywheel.runtime.stack import down
+    from flywheel.runtime.control import down
 
     home = base.home / "demo"
     old = base.model_copy(update={"home": home})
@@ -181,7 +181,7 @@ async def _watch(settings: Settings, deadline: float) -> Any:
 
 def run_demo(settings: Settings, *, keep: bool = False, minutes: float = 18.0) -> int:
     from flywheel.demo.watch import summary
-    from flywheel.runtime.stack import detach, down
+    from flywheel.runtime.control import detach, down
 
     t0 = time.monotonic()
     stages: dict[str, float] = {}

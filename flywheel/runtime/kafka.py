@@ -14,9 +14,25 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
+from flywheel.config import Settings
+
+
+def consumer_groups(settings: Settings) -> list[tuple[str, str]]:
+    """(group, topic) of every consumer group the stack runs: whose lag is reported, and
+    what `flywheel down` drains."""
+    topics = settings.topics
+    return [(settings.ingest.group_id, topics.trajectories),
+            (settings.miner.group_id, topics.trajectories),
+            (settings.miner.feedback_group_id, topics.feedback),
+            (settings.rollout.group_id, topics.rollout_requests),
+            (settings.trainer.group_id, topics.rollouts),
+            (settings.gate.group_id, topics.adapters)]
+
 
 async def ensure_topics(bootstrap: str, topics: Iterable[str], *, partitions: int,
-                        replication_factor: int = 1) -> None:
+                        replication_factor: int = 1, retention_ms: int | None = None) -> None:
+    """Create the topics that are missing (existing ones are left as they are)."""
+    configs = {"retention.ms": str(retention_ms)} if retention_ms else {}
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
@@ -24,7 +40,8 @@ async def ensure_topics(bootstrap: str, topics: Iterable[str], *, partitions: in
         missing = [t for t in topics if t not in existing]
         if missing:
             try:
-                await admin.create_topics([NewTopic(t, partitions, replication_factor)
+                await admin.create_topics([NewTopic(t, partitions, replication_factor,
+                                                    topic_configs=configs)
                                            for t in missing])
             except TopicAlreadyExistsError:
                 pass  # created concurrently by another process
@@ -34,6 +51,13 @@ async def ensure_topics(bootstrap: str, topics: Iterable[str], *, partitions: in
 
 async def group_lag(bootstrap: str, group_id: str, topic: str) -> dict[int, int]:
     """Per-partition lag of `group_id` on `topic` (uncommitted partitions count from 0)."""
+    return {p: max(0, high - done)
+            for p, (done, high) in (await group_positions(bootstrap, group_id, topic)).items()}
+
+
+async def group_positions(bootstrap: str, group_id: str, topic: str
+                          ) -> dict[int, tuple[int, int]]:
+    """Per partition of `topic`: (offset `group_id` committed, highwater)."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group_id,
                                 enable_auto_commit=False)
     try:  # stopped even when starting fails (broker down) or is cancelled
@@ -59,7 +83,6 @@ async def group_lag(bootstrap: str, group_id: str, topic: str) -> dict[int, int]
                     highwater[tp] = consumer.highwater(tp)
             if asyncio.get_running_loop().time() > deadline:
                 break
-        return {tp.partition: max(0, (highwater[tp] or committed[tp]) - committed[tp])
-                for tp in tps}
+        return {tp.partition: (committed[tp], highwater[tp] or committed[tp]) for tp in tps}
     finally:
         await consumer.stop()

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from flywheel.runtime.supervise import pid_alive
+
 PG_USER = "flywheel-pg"
 DB_NAME = "flywheel"
 FALLBACK_ROOT = Path("/var/lib/flywheel")
@@ -56,9 +58,14 @@ def _user_can(user: str, *test_args: str) -> bool:
 class LocalPostgres:
     data_dir: Path
     port: int
+    log_path: Path | None = None
+    """Where the server writes its log (appending); default `<data_dir>.log` beside the data.
+    Used only if the server's user can write there (else the default)."""
 
     def __post_init__(self) -> None:
         self.data_dir = self.data_dir.resolve()
+        self._log = (self.log_path.resolve() if self.log_path
+                     else self.data_dir.parent / f"{self.data_dir.name}.log")
         self.install = _pginstall()
         self.user: pwd.struct_passwd | None = None
         if os.geteuid() == 0:
@@ -80,7 +87,19 @@ class LocalPostgres:
 
     @property
     def log_file(self) -> Path:
-        return self.data_dir.parent / f"{self.data_dir.name}.log"
+        return self._log
+
+    def pid(self) -> int | None:
+        """The postmaster's pid from `postmaster.pid` (None when there is none)."""
+        try:
+            first = (self.data_dir / "postmaster.pid").read_text().split("\n", 1)[0]
+        except OSError:
+            return None
+        return int(first) if first.strip().isdigit() else None
+
+    def alive(self) -> bool:
+        """The postmaster runs (a killed one that is not yet reaped counts as dead)."""
+        return pid_alive(self.pid())
 
     def _place_for_user(self, user: pwd.struct_passwd) -> None:
         parent = self.data_dir.parent
@@ -99,8 +118,14 @@ class LocalPostgres:
             FALLBACK_ROOT.mkdir(parents=True, exist_ok=True)
         self.data_dir.mkdir(exist_ok=True, mode=0o700)
         os.chown(self.data_dir, user.pw_uid, user.pw_gid)
-        self.log_file.touch(exist_ok=True)
-        os.chown(self.log_file, user.pw_uid, user.pw_gid)
+        default_log = self.data_dir.parent / f"{self.data_dir.name}.log"
+        for log in dict.fromkeys((self._log, default_log)):
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.touch(exist_ok=True)
+            os.chown(log, user.pw_uid, user.pw_gid)  # a file we made, for its writer
+            if _user_can(user.pw_name, "-w", str(log)):
+                self._log = log
+                break
 
     def _install_digest(self) -> str:
         version = (self.install / "bin" / "postgres").stat()
@@ -112,9 +137,11 @@ class LocalPostgres:
         if self.user is not None:
             kwargs = {"user": self.user.pw_uid, "group": self.user.pw_gid, "extra_groups": []}
         env = {**os.environ, **({"PGPASSWORD": self.password} if self.password else {})}
+        # A session of its own: a Ctrl-C at the terminal of a foreground `flywheel up` must
+        # not reach the server (the supervisor drains, then stops it).
         result: subprocess.CompletedProcess[str] = subprocess.run(  # type: ignore[call-overload]
             cmd, capture_output=True, text=True, timeout=timeout, check=False, cwd="/",
-            env=env, **kwargs)
+            env=env, start_new_session=True, **kwargs)
         return result
 
     def _initdb(self) -> None:
@@ -148,7 +175,7 @@ class LocalPostgres:
     def start(self) -> None:
         if not self.initialized():
             self._initdb()
-        if self.running():
+        if self.alive():
             return
         opts = (f"-c listen_addresses=127.0.0.1 -c port={self.port} "
                 "-c unix_socket_directories='' -c max_connections=200 "
@@ -178,5 +205,5 @@ class LocalPostgres:
                 raise RuntimeError(f"createdb failed: {res.stderr}")
 
     def stop(self) -> None:
-        if self.initialized() and self.running():
+        if self.initialized() and self.alive():
             self._run("pg_ctl", "-D", str(self.data_dir), "-m", "fast", "-w", "stop")

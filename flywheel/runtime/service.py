@@ -11,19 +11,20 @@ from collections.abc import Awaitable, Callable
 from faststream import FastStream
 
 from flywheel.config import Settings
+from flywheel.runtime.logs import configure_logging
 
 LOG_FORMAT = "%(asctime)s %(name)s %(message)s"
 
 
 def run_faststream(build_app: Callable[[Settings], FastStream]) -> None:
     """`main()` of a FastStream service: settings from the environment, run until SIGTERM."""
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    configure_logging(logging.INFO, LOG_FORMAT)
     asyncio.run(build_app(Settings()).run())
 
 
 def run_loop(loop_fn: Callable[[Settings, asyncio.Event], Awaitable[None]]) -> None:
     """`main()` of a polling service: `loop_fn` runs until SIGTERM/SIGINT sets its event."""
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    configure_logging(logging.INFO, LOG_FORMAT)
 
     async def runner() -> None:
         stop = asyncio.Event()

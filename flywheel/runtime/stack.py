@@ -1,119 +1,68 @@
-"""`flywheel up` / `flywheel down`: the whole local stack on one machine.
+"""`flywheel up`: the whole local stack on one machine, supervised.
 
-The supervisor starts what is not configured externally (the bundled broker, a local
-Postgres with data under `<home>/pg`), runs migrations, creates topics, then runs every
-service as a child process (ingest, outbox relay, API), restarting any that dies. When all
-are ready it writes `<home>/run.json`; on SIGTERM/SIGINT it stops everything it started.
+The supervisor starts what is not configured externally (a local Postgres with data under
+`<home>/pg`, the bundled broker), runs migrations, creates topics, then runs every service
+as a child process (ingest, miner, …, outbox relay, API). It keeps all of it running:
+
+* a service that dies is restarted, with backoff (`supervise.Backoff`);
+* Postgres that dies is restarted the same way (services retry meanwhile; ingest fails
+  its batch, is restarted and gets the batch redelivered: nothing is lost);
+* the broker that dies is restarted and its topics recreated (`heal`); the Kafka
+  consumers are stopped first and started afresh afterwards (a consumer that kept its old
+  position would skip the new broker's first records), and what Postgres holds of what it
+  may have taken with it — outbox events, stored but unmined trajectories — is republished
+  (`recovery`); trajectories it held that ingest had not stored are lost, and reported;
+* past `stack.broker_max_rss_mb` the broker is drained and replaced (it deletes nothing);
+* every log under `<home>/logs` is rotated by size (`logs`).
+
+`<home>/run.json` (mode 0600) is its report: where everything is, and per component its
+state, pid, restarts and last error; `flywheel status` and the API read it. SIGUSR1 asks
+for a repair now (backoffs reset); SIGTERM/SIGINT stop the stack after draining it
+(`drain`), as `<home>/stop-request.json` asks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
-import secrets
 import signal
-import subprocess
-import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flywheel.config import Scope, Settings, TokenGrant, settings_env
-from flywheel.runtime.broker import LocalBroker
+from flywheel.config import Settings, settings_env
+from flywheel.runtime import recovery
+from flywheel.runtime.broker import MEMORY_ONLY_NOTE, LocalBroker
+from flywheel.runtime.drain import Positions, close_intake, drain, read_positions
 from flywheel.runtime.endpoints import read_run, run_file
+from flywheel.runtime.heal import ensure_topics, start_broker
+from flywheel.runtime.kafka import consumer_groups
+from flywheel.runtime.launch import (
+    LAST_STOP,
+    SERVICES,
+    STOP_REQUEST,
+    load_or_make_tokens,
+    operate_token,
+    service_argv,
+    torch_threads,
+    write_json_private,
+)
+from flywheel.runtime.logs import rotate_if_needed
 from flywheel.runtime.postgres import LocalPostgres
+from flywheel.runtime.supervise import (
+    Backoff,
+    Service,
+    become_subreaper,
+    pid_alive,
+    reap_orphans,
+    run_sync,
+)
 
 log = logging.getLogger("flywheel.up")
-
-# Every service that exists, as `python -m <module>`. Later stages add theirs here.
-SERVICES: dict[str, str] = {
-    "ingest": "consumers.ingest",
-    "miner": "consumers.miner",
-    "scheduler": "consumers.scheduler",
-    "rollout": "consumers.rollout",
-    "trainer": "consumers.trainer",
-    "gate": "consumers.gate",
-    "relay": "producers.relay",
-    "api": "flywheel.api.server",
-}
-
-
-TORCH_SERVICES = 3
-"""Services that run torch at the same time on one machine: rollout, trainer, gate."""
-
-
-def torch_threads(environ: Mapping[str, str], cpus: int | None = None) -> dict[str, str]:
-    """Intra-op threads per torch service when they share this machine.
-
-    Three torch processes each starting one thread per core oversubscribe the CPU, and
-    OpenMP's spin-waiting then makes every one of them several times slower (measured on 2
-    cores: a group of 8 attempts took 80 s instead of 12 s). An explicit OMP_NUM_THREADS
-    from the user wins."""
-    if "OMP_NUM_THREADS" in environ:
-        return {}
-    per = max(1, (cpus or os.cpu_count() or 1) // TORCH_SERVICES)
-    return {"OMP_NUM_THREADS": str(per), "MKL_NUM_THREADS": str(per)}
-
-
-def service_argv(settings: Settings, name: str) -> list[str]:
-    """The command of a service; the trainer under torchrun when `trainer.ranks` > 1."""
-    argv = [sys.executable, "-m", SERVICES[name]]
-    if name == "trainer" and settings.trainer.ranks > 1:
-        argv[2:2] = ["torch.distributed.run", "--standalone",
-                     f"--nproc_per_node={settings.trainer.ranks}", "-m"]
-    return argv
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (Linux /proc; empty elsewhere)."""
-    try:
-        children = [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
-                    for c in (t / "children").read_text().split()]
-    except OSError:
-        return []
-    return [p for c in children for p in (c, *_descendants(c))]
-
-
-def load_or_make_tokens(settings: Settings) -> dict[str, list[Scope] | TokenGrant]:
-    """Configured tokens, else a `publish` and an `operate` token kept in <home>/tokens.json."""
-    if settings.api.tokens:
-        return settings.api.tokens
-    path = settings.home / "tokens.json"
-    if path.exists():
-        data: dict[str, list[Scope] | TokenGrant] = json.loads(path.read_text())
-        return data
-    tokens: dict[str, list[Scope] | TokenGrant] = {
-        f"fw_pub_{secrets.token_urlsafe(24)}": ["publish"],
-        f"fw_op_{secrets.token_urlsafe(24)}": ["publish", "operate"],
-    }
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(tokens, f)
-    return tokens
-
-
-def _write_run(settings: Settings, data: dict[str, Any]) -> None:
-    path = run_file(settings)
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
-
-
-@dataclass
-class Child:
-    name: str
-    module: str
-    proc: subprocess.Popen[bytes] | None = None
-    restarts: int = 0
-    last_start: float = field(default=0.0)
 
 
 class Stack:
@@ -121,43 +70,76 @@ class Stack:
         self.settings = settings
         self.home = settings.home.resolve()
         self.logs = self.home / "logs"
+        cap = settings.stack.restart_backoff_max_s
         self.broker: LocalBroker | None = None
         self.postgres: LocalPostgres | None = None
-        self.children = [Child(n, m) for n, m in SERVICES.items()]
+        self.broker_backoff, self.pg_backoff = Backoff(cap), Backoff(cap)
+        self.broker_error: str | None = None
+        self.pg_error: str | None = None
+        self.services = [Service(n, [], self.logs / f"{n}.log", Backoff(cap))
+                         for n in SERVICES]
         self.env: dict[str, str] = {}
+        self.status = "starting"
+        self.notes: list[str] = []
+        self.broker_state: dict[str, Any] = recovery.new_state(None, None)
+        self.broker_losses: list[dict[str, Any]] = []
+        self.drain_line: str | None = None
+        self.last_recycle: float | None = None
+        self._lock = threading.Lock()
+        self._repair = False
+        self._stop = threading.Event()
+        self._last_rotate = self._last_write = 0.0
+        self._written: str = ""
+        self.started_at = time.time()
 
-    def start_infra(self) -> Settings:
-        """Broker + Postgres + migrations + topics; returns settings pointing at them."""
+    # ---------------------------------------------------------------- start
+
+    def start_infra(self, previous: dict[str, Any] | None = None) -> Settings:
+        """Postgres + migrations + broker + topics (adopting what a dead supervisor left
+        running); returns settings pointing at them."""
         from flywheel.db import migrate
-        from flywheel.runtime.kafka import ensure_topics
 
         self.logs.mkdir(parents=True, exist_ok=True)
         s = self.settings
         kafka, db = s.kafka, s.db
+        if not db.url:
+            self.postgres = LocalPostgres(self.home / "pg", db.local_port,
+                                          log_path=self.logs / "postgres.log")
+            self.postgres.start()
+            self.pg_backoff.started(time.monotonic())
+            db = db.model_copy(update={"url": self.postgres.url})
+        assert db.url
+        migrate.upgrade(db.url)
         if not kafka.bootstrap:
             self.broker = LocalBroker(kafka.local_port, self.logs / "broker.log")
-            self.broker.start()
             kafka = kafka.model_copy(update={"bootstrap": self.broker.bootstrap})
-        if not db.url:
-            self.postgres = LocalPostgres(self.home / "pg", db.local_port)
-            self.postgres.start()
-            db = db.model_copy(update={"url": self.postgres.url})
-        assert kafka.bootstrap and db.url
-        migrate.upgrade(db.url)
-        asyncio.run(ensure_topics(kafka.bootstrap, s.topics.all(), partitions=kafka.partitions,
-                                  replication_factor=kafka.replication_factor))
         api = s.api.model_copy(update={"tokens": load_or_make_tokens(s)})
         self.settings = s.model_copy(update={"kafka": kafka, "db": db, "api": api,
                                              "home": self.home})
+        if self.broker is not None:
+            start_broker(self, previous)
+        else:
+            ensure_topics(self)
         self.env = {**os.environ, **settings_env(self.settings), **torch_threads(os.environ)}
+        for svc in self.services:
+            svc.argv = service_argv(self.settings, svc.name)
         return self.settings
 
-    def _spawn(self, child: Child) -> None:
-        with open(self.logs / f"{child.name}.log", "ab") as out:
-            child.proc = subprocess.Popen(service_argv(self.settings, child.name), env=self.env,
-                                          stdout=out, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL)
-        child.last_start = time.monotonic()
+    def start_services(self, previous: dict[str, Any] | None = None) -> None:
+        """Spawn every service; services a dead supervisor left running are stopped first,
+        all at once (two trainers must never run at once)."""
+        orphans = [Service(name, [], self.logs / f"{name}.log", adopted_pid=int(pid))
+                   for name, pid in ((previous or {}).get("pids") or {}).items() if pid]
+        threads = [threading.Thread(target=o.stop, args=(15,)) for o in orphans]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if orphans:
+            self.notes.append(f"replaced {len(orphans)} services a dead supervisor had left")
+        now = time.monotonic()
+        for svc in self.services:
+            svc.start(self.env, now)
 
     def api_url(self) -> str:
         return f"http://{self.settings.api.host}:{self.settings.api.port}"
@@ -173,133 +155,178 @@ class Stack:
                 time.sleep(0.2)
         raise RuntimeError(f"the API did not answer at {self.api_url()}; see {self.logs}/api.log")
 
+    # ---------------------------------------------------------------- run
+
     def run(self) -> None:
-        """Foreground supervisor: start all, write run.json, restart dead children; stop on
-        SIGTERM/SIGINT."""
-        stop = {"now": False}
-
-        def on_signal(signum: int, _frame: object) -> None:
-            stop["now"] = True
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
+        """Foreground supervisor: start all, write run.json, keep everything running; stop
+        (after draining) on SIGTERM/SIGINT."""
+        signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
+        signal.signal(signal.SIGINT, lambda *_: self._stop.set())
+        signal.signal(signal.SIGUSR1, lambda *_: self._ask_repair())
+        become_subreaper()
+        previous = read_run(self.settings)
+        if previous and previous.get("supervisor_pid") == os.getpid():
+            previous = None
+        other = int((previous or {}).get("supervisor_pid") or 0)
+        if pid_alive(other):
+            raise RuntimeError(f"a flywheel supervisor already runs this stack (pid {other}, "
+                               f"{run_file(self.settings)}): `flywheel up --detach` checks and "
+                               "repairs it, `flywheel down` stops it")
         try:
-            s = self.start_infra()
-            for child in self.children:
-                self._spawn(child)
+            self.start_infra(previous)
+            self._write(force=True)
+            self.start_services(previous)
             self._wait_api()
-            _write_run(s, {
-                "status": "ready", "supervisor_pid": os.getpid(),
-                "kafka_bootstrap": s.kafka.bootstrap, "database_url": s.db.url,
-                "api_url": self.api_url(), "dashboard_url": self.api_url() + "/dashboard",
-                "topics": s.topics.model_dump(),
-                "tokens": s.api.model_dump(mode="json")["tokens"],
-                "pids": {c.name: c.proc.pid for c in self.children if c.proc},
-                "broker_pid": self.broker.proc.pid if self.broker and self.broker.proc else None,
-                "postgres_data": str(self.postgres.data_dir) if self.postgres else None,
-                "logs": str(self.logs), "home": str(self.home), "started_at": time.time(),
-            })
+            self.status = "ready"
+            self._write(force=True)
+            if self.broker is not None:
+                log.warning("%s", MEMORY_ONLY_NOTE)
             log.info("flywheel is up (FLYWHEEL_HOME=%s): api %s, dashboard %s/dashboard "
-                     "(tokens in %s)", self.home, self.api_url(), self.api_url(), run_file(s))
-            while not stop["now"]:
-                for child in self.children:
-                    if child.proc is not None and child.proc.poll() is not None:
-                        # Back off a crash loop; Kafka holds the backlog meanwhile.
-                        if time.monotonic() - child.last_start > min(30, 2 ** child.restarts):
-                            log.warning("%s exited with %s; restarting", child.name,
-                                        child.proc.returncode)
-                            child.restarts += 1
-                            self._spawn(child)
-                time.sleep(0.5)
+                     "(tokens in %s)", self.home, self.api_url(), self.api_url(),
+                     run_file(self.settings))
+            watcher = threading.Thread(target=self._watch, name="watch", daemon=True)
+            watcher.start()
+            while not self._stop.is_set():
+                self.tick()
+                self._stop.wait(0.5)
         finally:
-            self.stop()
+            self.shutdown()
 
-    def stop(self) -> None:
-        for child in self.children:
-            if child.proc is not None and child.proc.poll() is None:
-                child.proc.terminate()
-        for child in self.children:
-            if child.proc is not None:
-                # torchrun gives its ranks 30 s after a SIGTERM before it kills them.
-                torchrun = child.name == "trainer" and self.settings.trainer.ranks > 1
-                grace = 45 if torchrun else 15
+    def _ask_repair(self) -> None:
+        self._repair = True
+
+    def tick(self) -> None:
+        """One round of supervision: heal what died, rotate logs, report."""
+        from flywheel.runtime.heal import heal
+
+        now = time.monotonic()
+        if self._repair:
+            self._repair = False
+            for b in (self.broker_backoff, self.pg_backoff, *(s.backoff for s in self.services)):
+                b.reset()
+        reap_orphans({p.proc.pid for p in self.services if p.proc is not None}
+                     | ({self.broker.proc.pid} if self.broker and self.broker.proc else set()))
+        heal(self, now)
+        if now - self._last_rotate >= 2:
+            self._last_rotate = now
+            cfg = self.settings.stack
+            for path in self.log_files():
                 try:
-                    child.proc.wait(grace)
-                except subprocess.TimeoutExpired:
-                    stragglers = _descendants(child.proc.pid)  # torchrun's ranks
-                    child.proc.kill()
-                    child.proc.wait()
-                    for pid in stragglers:
-                        with contextlib.suppress(OSError):
-                            os.kill(pid, signal.SIGKILL)
-        if self.broker:
+                    rotate_if_needed(path, cfg.log_max_bytes, cfg.log_keep)
+                except OSError as err:
+                    log.warning("could not rotate %s: %s", path, err)
+        self._write()
+
+    def log_files(self) -> list[Path]:
+        files = [s.log for s in self.services]
+        if self.broker is not None:
+            files.append(self.broker.log_file)
+        if self.postgres is not None:
+            files.append(self.postgres.log_file)
+        files.append(self.logs / "supervisor.log")
+        return files
+
+    def _watch(self) -> None:
+        """Background: every `watch_interval_s` read each group's lag, so that a lost broker's
+        content is known (`recovery`) and the status shows it."""
+        groups = consumer_groups(self.settings)
+        assert self.settings.kafka.bootstrap
+        while not self._stop.wait(self.settings.stack.watch_interval_s):
+            if self.broker is None:
+                return  # an external Kafka is durable: nothing to track
+            started = time.time()
+            positions = asyncio.run(read_positions(self.settings.kafka.bootstrap, groups))
+            if positions is not None:
+                self.record_positions(positions, started)
+
+    def record_positions(self, positions: Positions, read_at: float) -> None:
+        with self._lock:
+            state = self.broker_state
+            if self.broker is None or state.get("broker_pid") != self.broker.pid:
+                return  # read from an instance that is gone
+            recovery.record(state, positions, read_at)
+            recovery.save_state(self.home, state)
+
+    # ---------------------------------------------------------------- stop
+
+    def shutdown(self) -> None:
+        """Drain (as the stop request asks), then stop services, broker, Postgres."""
+        self._stop.set()
+        request: dict[str, Any] = {}
+        try:
+            request = json.loads((self.home / STOP_REQUEST).read_text())
+        except (OSError, ValueError):
+            pass
+        report = None
+        # Only the bundled broker forgets: an external Kafka keeps what is not consumed yet.
+        if self.status == "ready" and request.get("drain", True) and self.broker is not None:
+            report = self.drain(request.get("timeout_s"))
+        self.status = "stopping"
+        self._write(force=True)
+        for svc in self.services:
+            svc.held = True
+        grace = 45 if self.settings.trainer.ranks > 1 else 15  # torchrun: 30 s for ranks
+        threads = [threading.Thread(target=s.stop, args=(grace,)) for s in self.services]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if self.broker is not None:
             self.broker.stop()
-        if self.postgres:
+        if self.postgres is not None:
             self.postgres.stop()
+        if report is not None and report.done:
+            with self._lock:
+                self.broker_state["drained"] = True
+                recovery.save_state(self.home, self.broker_state)
+        summary = report.summary() if report else (
+            "stopped without draining" if self.broker is not None else
+            "stopped (no drain needed: the external Kafka keeps what is not consumed yet)")
+        write_json_private(self.home / LAST_STOP, {
+            "stopped_at": time.time(), "summary": summary,
+            "drain": None if report is None else vars(report)})
+        (self.home / STOP_REQUEST).unlink(missing_ok=True)
         run_file(self.settings).unlink(missing_ok=True)
+        log.info("stopped: %s", summary)
 
+    def drain(self, timeout_s: float | None = None) -> Any:
+        """Close intake, stop the scheduler, wait for the consumers (see `drain`)."""
+        self.status = "draining"
+        self._write(force=True)
+        token = operate_token(self.settings)
+        why = close_intake(self.api_url(), token)
+        scheduler = next(s for s in self.services if s.name == "scheduler")
+        scheduler.held = True
+        scheduler.stop(15)
 
-def detach(settings: Settings, timeout: float = 180) -> dict[str, Any]:
-    """Start the supervisor in its own session; return run.json once everything is ready."""
-    current = read_run(settings)
-    if current and _alive(int(current.get("supervisor_pid", 0))):
-        return current
-    run_file(settings).unlink(missing_ok=True)
-    settings.home.mkdir(parents=True, exist_ok=True)
-    (settings.home / "logs").mkdir(exist_ok=True)
-    out = open(settings.home / "logs" / "supervisor.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "flywheel.cli.main", "up"],
-                            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True,
-                            env={**os.environ, "FLYWHEEL_HOME": str(settings.home.resolve())})
-    out.close()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        run = read_run(settings)
-        if run and run.get("status") == "ready":
-            return run
-        if proc.poll() is not None:
-            tail = (settings.home / "logs" / "supervisor.log").read_text()[-3000:]
-            raise RuntimeError(f"flywheel up failed (exit {proc.returncode}):\n{tail}")
-        time.sleep(0.2)
-    raise RuntimeError(f"flywheel up did not become ready in {timeout:.0f}s; "
-                       f"see {settings.home / 'logs'}")
+        def progress(line: str) -> None:
+            self.drain_line = line
+            log.info("%s", line)
+            self._write(force=True)
 
+        report = run_sync(drain(self.settings, tick=self.tick, progress=progress,
+                                timeout_s=timeout_s))
+        report.intake_closed = why is None
+        if why:
+            report.notes.append(why)
+        if report.positions and report.read_at:
+            self.record_positions(report.positions, report.read_at)
+        self.drain_line = report.summary()
+        log.info("%s", self.drain_line)
+        return report
 
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return False  # our own child, exited and now reaped
-    except ChildProcessError:
-        pass  # not our child
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    # ---------------------------------------------------------------- report
 
+    def _write(self, *, force: bool = False) -> None:
+        """run.json, when something changed (at most once a second unless forced)."""
+        from flywheel.runtime.heal import report
 
-def down(settings: Settings, timeout: float = 60) -> bool:
-    """Stop a detached stack. Returns False when none was running."""
-    run = read_run(settings)
-    if not run:
-        return False
-    pid = int(run.get("supervisor_pid", 0))
-    if _alive(pid):
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-    if _alive(pid):  # the supervisor is wedged: stop what it started ourselves
-        os.kill(pid, signal.SIGKILL)
-    for child_pid in [*run.get("pids", {}).values(), run.get("broker_pid")]:
-        if child_pid and _alive(int(child_pid)):
-            os.kill(int(child_pid), signal.SIGKILL)
-    if run.get("postgres_data"):
-        LocalPostgres(Path(run["postgres_data"]), 0).stop()
-    run_file(settings).unlink(missing_ok=True)
-    return True
+        now = time.monotonic()
+        if not force and now - self._last_write < 1.0:
+            return
+        data = report(self)
+        digest = json.dumps(data, sort_keys=True, default=str)
+        if digest == self._written and not force:
+            return
+        write_json_private(run_file(self.settings), {**data, "updated_at": time.time()})
+        self._written, self._last_write = digest, now
