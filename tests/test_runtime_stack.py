@@ -66,7 +66,10 @@ def test_up_publish_status_down(services_dir: Path) -> None:
             st = _cli(env, "status", "--json")
             assert st.returncode == 0, st.stderr
             status = json.loads(st.stdout)
-            if status["trajectories"] == 50 or time.monotonic() > deadline:
+            # Ingest commits its offsets just after the rows' transaction: wait for both.
+            if (status["trajectories"] == 50
+                    and status["lag"].get("flywheel-ingest", {}).get("total") == 0) \
+                    or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         assert status["trajectories"] == 50
