@@ -33,8 +33,10 @@ from flywheel.cli.common import (  # noqa: E402
     uuid_arg,
 )
 from flywheel.cli.review import adapters_app, promotions_app, replay  # noqa: E402
+from flywheel.cli.vllm import vllm_app  # noqa: E402
 
 app.add_typer(promotions_app, name="promotions")
+app.add_typer(vllm_app, name="vllm")
 app.add_typer(adapters_app, name="adapters")
 app.command()(replay)
 app.command()(baseline)
@@ -49,9 +51,10 @@ def up(detach: Annotated[bool, typer.Option("--detach", "-d",
     from flywheel.runtime.stack import detach as detach_stack
 
     settings = _settings()
+    local_vllm = settings.rollout.engine == "vllm" and not settings.rollout.vllm_urls
     if detach:
-        try:
-            run = detach_stack(settings)
+        try:  # a local vLLM on CPU takes up to a minute or two to start
+            run = detach_stack(settings, timeout=900 if local_vllm else 180)
         except RuntimeError as err:
             _fail(str(err))
             return
@@ -60,7 +63,9 @@ def up(detach: Annotated[bool, typer.Option("--detach", "-d",
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    Stack(settings).run()
+    from flywheel.cli.vllm import build_server
+
+    Stack(settings, vllm=build_server(settings)[1] if local_vllm else None).run()
 
 
 def _print_run(run: dict[str, Any]) -> None:
@@ -68,6 +73,8 @@ def _print_run(run: dict[str, Any]) -> None:
     console.print(f"  kafka     {run['kafka_bootstrap']}")
     console.print(f"  postgres  {run['database_url']}")
     console.print(f"  api       {run['api_url']}")
+    if run.get("vllm_url"):
+        console.print(f"  vllm      {run['vllm_url']}")
     if run.get("dashboard_url"):
         console.print(f"  dashboard {run['dashboard_url']}")
     console.print(f"  logs      {run['logs']}")

@@ -2,8 +2,10 @@
 
 The supervisor starts what is not configured externally (the bundled broker, a local
 Postgres with data under `<home>/pg`), runs migrations, creates topics, then runs every
-service as a child process (ingest, outbox relay, API), restarting any that dies. When all
-are ready it writes `<home>/run.json`; on SIGTERM/SIGINT it stops everything it started.
+service as a child process (ingest, outbox relay, API), restarting any that dies. With the
+`vllm` engine and no replica configured, it first starts a local vLLM server (given by the
+caller, built by `flywheel.policy.vllm_flags`) and points the services at it. When all are
+ready it writes `<home>/run.json`; on SIGTERM/SIGINT it stops everything it started.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from flywheel.config import Scope, Settings, settings_env
 from flywheel.runtime.broker import LocalBroker
 from flywheel.runtime.endpoints import read_run, run_file
 from flywheel.runtime.postgres import LocalPostgres
+from flywheel.runtime.vllm import VLLMServer, stop_group
 
 log = logging.getLogger("flywheel.up")
 
@@ -117,8 +120,9 @@ class Child:
 
 
 class Stack:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, vllm: VLLMServer | None = None) -> None:
         self.settings = settings
+        self.vllm = vllm
         self.home = settings.home.resolve()
         self.logs = self.home / "logs"
         self.broker: LocalBroker | None = None
@@ -143,12 +147,17 @@ class Stack:
             self.postgres.start()
             db = db.model_copy(update={"url": self.postgres.url})
         assert kafka.bootstrap and db.url
+        rollout = s.rollout
+        if self.vllm is not None:
+            self.vllm.start()
+            log.info("vLLM healthy at %s after %.0fs", self.vllm.url, self.vllm.wait_healthy())
+            rollout = rollout.model_copy(update={"vllm_urls": [self.vllm.url]})
         migrate.upgrade(db.url)
         asyncio.run(ensure_topics(kafka.bootstrap, s.topics.all(), partitions=kafka.partitions,
                                   replication_factor=kafka.replication_factor))
         api = s.api.model_copy(update={"tokens": load_or_make_tokens(s)})
         self.settings = s.model_copy(update={"kafka": kafka, "db": db, "api": api,
-                                             "home": self.home})
+                                             "rollout": rollout, "home": self.home})
         self.env = {**os.environ, **settings_env(self.settings), **torch_threads(os.environ)}
         return self.settings
 
@@ -195,6 +204,8 @@ class Stack:
                 "topics": s.topics.model_dump(), "tokens": s.api.tokens,
                 "pids": {c.name: c.proc.pid for c in self.children if c.proc},
                 "broker_pid": self.broker.proc.pid if self.broker and self.broker.proc else None,
+                "vllm_url": self.vllm.url if self.vllm else None,
+                "vllm_pid": self.vllm.proc.pid if self.vllm and self.vllm.proc else None,
                 "postgres_data": str(self.postgres.data_dir) if self.postgres else None,
                 "logs": str(self.logs), "started_at": time.time(),
             })
@@ -231,6 +242,8 @@ class Stack:
                     for pid in stragglers:
                         with contextlib.suppress(OSError):
                             os.kill(pid, signal.SIGKILL)
+        if self.vllm:
+            self.vllm.stop()
         if self.broker:
             self.broker.stop()
         if self.postgres:
@@ -298,6 +311,8 @@ def down(settings: Settings, timeout: float = 60) -> bool:
     for child_pid in [*run.get("pids", {}).values(), run.get("broker_pid")]:
         if child_pid and _alive(int(child_pid)):
             os.kill(int(child_pid), signal.SIGKILL)
+    if run.get("vllm_pid") and _alive(int(run["vllm_pid"])):
+        stop_group(int(run["vllm_pid"]), grace_s=5)  # its own process group
     if run.get("postgres_data"):
         LocalPostgres(Path(run["postgres_data"]), 0).stop()
     run_file(settings).unlink(missing_ok=True)
