@@ -27,6 +27,7 @@ import pytest
 from flywheel.policy.base import AdapterRef, Policy, PolicyError, SamplingParams
 from flywheel.policy.vllm import (
     AdapterLoadError,
+    ReplicaUnavailable,
     VLLMError,
     VLLMPolicy,
     is_retryable,
@@ -93,6 +94,8 @@ class FakeReplica:
     """None: every loaded adapter stays in memory."""
     dead: bool = False
     """EngineDeadError: the engine is gone, every request answers 500."""
+    unreachable: bool = False
+    """Nothing listens: every request is refused."""
     _cpu: list[str] = field(default_factory=list)
     lag_once: bool = False
     """The first /v1/models after a load does not list the new adapter yet."""
@@ -111,6 +114,8 @@ class FakeReplica:
         self.calls[path] += 1
         body = json.loads(request.content) if request.content else {}
         self.bodies.append((path, body))
+        if self.unreachable:
+            raise httpx.ConnectError("connection refused", request=request)
         if self.dead:
             if path == "/health":
                 return httpx.Response(503)
@@ -407,6 +412,31 @@ async def test_a_version_name_never_comes_back_with_other_weights() -> None:
     assert all("policy@v1" not in r.loaded for r in cluster.replicas)
     await policy.ensure_adapter(ref(1))  # the same immutable files may be placed again
     assert all(r.loaded == {"policy@v1": "/adapters/policy/v1"} for r in cluster.replicas)
+
+
+async def test_a_replica_that_is_down_does_not_stop_a_new_version_on_the_others() -> None:
+    cluster = FakeCluster(3)
+    cluster.replicas[2].unreachable = True
+    policy = cluster.policy()
+    await policy.ensure_adapter(ref(1))
+    assert [sorted(r.loaded) for r in cluster.replicas] == [["policy@v1"], ["policy@v1"], []]
+    for _ in range(4):
+        (c,) = await policy.sample(MESSAGES, SamplingParams(n=1), adapter=ref(1))
+        assert c.extra["replica"] != "http://replica2:8000"
+    calls = cluster.replicas[2].calls["/v1/models"]
+    await policy.ensure_adapter(ref(2))  # benched: one attempt, not max_retries
+    assert cluster.replicas[2].calls["/v1/models"] == calls + 1
+    cluster.replicas[2].unreachable = False  # back (restarted, empty)
+    await policy.ensure_adapter(ref(2))
+    assert sorted(cluster.replicas[2].loaded) == ["policy@v2"]
+
+
+async def test_with_every_replica_down_placement_fails_typed() -> None:
+    cluster = FakeCluster(2)
+    for r in cluster.replicas:
+        r.unreachable = True
+    with pytest.raises(ReplicaUnavailable, match=r"no replica is available.*replica0.*replica1"):
+        await cluster.policy(max_retries=1).ensure_adapter(ref(1))
 
 
 async def test_the_eos_token_is_in_the_tokens_not_in_the_text() -> None:

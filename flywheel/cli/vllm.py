@@ -1,4 +1,4 @@
-"""`flywheel vllm args|serve|stop|template`: a vLLM server for the configured policy.
+"""`flywheel vllm args|serve|stop`: a vLLM server for the configured policy.
 
 The command line is `flywheel.policy.vllm_flags.server_config(settings)`: the model the
 model cache converted, the trainer's LoRA rank, runtime adapter loading, processed
@@ -60,16 +60,6 @@ def args(gpu: GpuOpt = False, port: PortOpt = None) -> None:
     cfg = server_config(_settings(), device=_device(gpu), port=port)
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in server_env(cfg).items())
     print(f"{env} python {shlex.join(server_args(cfg))}")
-
-
-@vllm_app.command("template")
-def template() -> None:
-    """Print the `--chat-template` the server gets (empty: the model's own)."""
-    from flywheel.policy.model_cache import resolve_model_dir
-    from flywheel.policy.vllm_flags import chat_template_for
-
-    path = chat_template_for(resolve_model_dir(_settings().rollout.model_dir))
-    print(path or "")
 
 
 @vllm_app.command("serve")

@@ -52,14 +52,17 @@ from flywheel.policy.base import (
 )
 from flywheel.policy.vllm_errors import (
     AdapterLoadError,
+    ReplicaUnavailable,
     VLLMError,
     classify,
     error_message,
     is_retryable,
     load_fix,
+    unavailable,
 )
 
-__all__ = ["AdapterLoadError", "VLLMError", "VLLMPolicy", "is_retryable", "json_object_end"]
+__all__ = ["AdapterLoadError", "ReplicaUnavailable", "VLLMError", "VLLMPolicy", "is_retryable",
+           "json_object_end", "served_versions"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _TOKEN_ID = "token_id:"
@@ -132,6 +135,10 @@ class VLLMPolicy:
     def unpin(self, name: str) -> None:
         self._pinned.discard(name)
 
+    def replicas_serving(self, name: str) -> list[str]:
+        """The replicas `name` was placed and verified on (where sampling may go)."""
+        return [r.url for r in self._replicas if name in r.adapters]
+
     # -- adapters ------------------------------------------------------------------------------
     async def ensure_adapter(self, adapter: AdapterRef) -> None:
         self._check_policy(adapter)
@@ -141,17 +148,39 @@ class VLLMPolicy:
                               f"{adapter.path}: a version name is immutable; publish the new "
                               "weights as a new version")
         async with self._admin:
-            # Check every replica before loading anywhere: a name served from another path is
-            # a broken invariant, and a half-done placement must not become routable.
-            listings = await _fan_out([self._listing(r) for r in self._replicas])
-            for r, listing in zip(self._replicas, listings, strict=True):
+            # Check every reachable replica before loading anywhere: a name served from
+            # another path is a broken invariant. A replica that is down is skipped (it is
+            # checked and loaded on a later call once it answers): one dead replica must not
+            # stop new versions from serving on the others, and sampling only ever routes to
+            # replicas verified here.
+            up = await self._reachable([self._listing(r) for r in self._replicas],
+                                       self._replicas, f"place {adapter.name}")
+            for r, listing in up:
                 if adapter.name in listing:
                     self._check_root(r, adapter.name, listing[adapter.name], str(adapter.path))
-            pairs = zip(self._replicas, listings, strict=True)
             self._paths[adapter.name] = str(adapter.path)
             self._retired.discard(adapter.name)
-            listings = await _fan_out([self._place(r, adapter, listing) for r, listing in pairs])
-            await self._enforce_retention(adapter.name, listings)
+            placed = await self._reachable([self._place(r, adapter, listing) for r, listing in up],
+                                           [r for r, _ in up], f"place {adapter.name}")
+            await self._enforce_retention(adapter.name, [listing for _, listing in placed])
+
+    async def _reachable(self, calls: Sequence[Awaitable[T]], replicas: Sequence[_Replica],
+                         what: str) -> list[tuple[_Replica, T]]:
+        """Run one call per replica to the end; results of those that answered. Replicas that
+        are unavailable are logged and left out, unless all are; any other error is raised."""
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        down = [(r, e) for r, e in zip(replicas, results, strict=True)
+                if isinstance(e, BaseException) and unavailable(e)]
+        await _fan_out([_raise(e) for e in results if isinstance(e, BaseException)
+                        and not unavailable(e)])
+        answered = [(r, v) for r, v in zip(replicas, results, strict=True)
+                    if not isinstance(v, BaseException)]
+        if down and not answered:
+            raise ReplicaUnavailable(f"cannot {what}: no replica is available ("
+                                     + "; ".join(str(e) for _, e in down) + ")") from down[0][1]
+        for r, e in down:
+            log.warning("could not %s on %s (skipped until it answers again): %s", what, r.url, e)
+        return answered
 
     async def retire_adapter(self, adapter: AdapterRef) -> None:
         self._check_policy(adapter)
@@ -331,9 +360,11 @@ class VLLMPolicy:
                        extra={**c.extra, "cut_at_json_end": len(c.token_ids) - lo})
 
     # -- transport -----------------------------------------------------------------------------
-    def _retrying(self, retryable: Any = _replica_retryable) -> AsyncRetrying:
+    def _retrying(self, retryable: Any = _replica_retryable,
+                  attempts: int | None = None) -> AsyncRetrying:
         return AsyncRetrying(
-            retry=retry_if_exception(retryable), stop=stop_after_attempt(self._max_retries + 1),
+            retry=retry_if_exception(retryable),
+            stop=stop_after_attempt(attempts or self._max_retries + 1),
             # exponential backoff with jitter, spelled portably across tenacity 8 and 9
             wait=wait_exponential(multiplier=self._backoff_s, max=self._backoff_s * 16)
             + wait_random(0, self._backoff_s),
@@ -350,13 +381,16 @@ class VLLMPolicy:
 
     async def _call_retrying(self, r: _Replica, method: str, path: str,
                              body: dict[str, Any] | None = None) -> Any:
-        """One replica, with retries: fan-out operations must reach this replica, not another."""
+        """One replica, with retries: fan-out operations must reach this replica, not another.
+        A benched replica gets one attempt: it is down until it proves otherwise."""
+        attempts = 1 if r.down_until > time.monotonic() else None
         try:
-            async for attempt in self._retrying():
+            async for attempt in self._retrying(attempts=attempts):
                 with attempt:
                     return await self._call(r, method, path, body)
         except httpx.TransportError as e:
-            raise PolicyError(f"replica {r.url} unreachable for {method} {path}: {e!r}") from e
+            raise ReplicaUnavailable(f"replica {r.url} unreachable for {method} {path}: {e!r}"
+                                     ) from e
         raise AssertionError("unreachable: tenacity re-raises the last error")
 
     async def _call(self, r: _Replica, method: str, path: str,
@@ -458,6 +492,10 @@ async def served_versions(base_urls: Sequence[str], policy_name: str, *,
 
         names = await _fan_out([listing(url) for url in base_urls])
     return {int(m.group(1)) for listed in names for name in listed if (m := pattern.match(name))}
+
+
+async def _raise(e: BaseException) -> None:
+    raise e
 
 
 async def _fan_out(calls: Sequence[Awaitable[T]]) -> list[T]:

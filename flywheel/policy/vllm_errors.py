@@ -41,6 +41,16 @@ class VLLMError(PolicyError):
         self.replica, self.status, self.message, self.kind = replica, status, message, kind
 
 
+class ReplicaUnavailable(PolicyError):
+    """A replica could not be reached (connection refused, reset, timeout) after retries."""
+
+
+def unavailable(exc: BaseException) -> bool:
+    """The replica is down or dying, not refusing: another replica may do the work."""
+    return isinstance(exc, ReplicaUnavailable) or (
+        isinstance(exc, VLLMError) and exc.kind != "permanent")
+
+
 class AdapterLoadError(PolicyError):
     """A replica refused an adapter for a reason retrying cannot fix; the message says how."""
 

