@@ -1,4 +1,4 @@
-"""VLLMPolicy against a fake vLLM cluster (httpx.MockTransport), plus one real-vLLM check.
+"""VLLMPolicy against a fake vLLM cluster (httpx.MockTransport).
 
 The fake speaks the parts of vLLM's HTTP API Flywheel uses, per replica, with the shapes
 and messages a real vLLM 0.32 server answers (tests/test_vllm_server.py checks the client
@@ -15,7 +15,6 @@ character (id = ord(c), EOS = 2), so expected ids and cuts are easy to compute b
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -583,28 +582,3 @@ def test_retry_classifier() -> None:
     assert is_retryable(httpx.ReadTimeout("slow", request=request))
     assert not is_retryable(PolicyError("bad input"))
     assert not is_retryable(ValueError("bug"))
-
-
-@pytest.mark.gpu
-async def test_real_vllm_serves_two_adapter_versions() -> None:
-    """Needs a running vLLM (infra/gpu-check.sh sets these up)."""
-    url = os.environ.get("FLYWHEEL_TEST_VLLM_URL")
-    if not url:
-        pytest.skip("set FLYWHEEL_TEST_VLLM_URL (and _MODEL, _ADAPTERS) to a running vLLM")
-    model = os.environ["FLYWHEEL_TEST_VLLM_MODEL"]
-    paths = os.environ["FLYWHEEL_TEST_VLLM_ADAPTERS"].split(os.pathsep)
-    policy = VLLMPolicy(url.split(","), model=model, policy_name="gpucheck")
-    try:
-        params = SamplingParams(n=8, max_tokens=16, temperature=1.0, seed=1)
-        for version, path in enumerate(paths[:2], start=1):
-            adapter = AdapterRef("gpucheck", version, Path(path))
-            await policy.ensure_adapter(adapter)
-            out = await policy.sample(MESSAGES, params, adapter=adapter)
-            assert len(out) == 8 and all(c.adapter == adapter.name for c in out)
-            assert all(len(c.token_ids) == len(c.logprobs) > 0 for c in out)
-            assert all(c.prompt_token_ids for c in out)
-            assert all(lp <= 0 for c in out for lp in c.logprobs)
-        for version, path in enumerate(paths[:2], start=1):
-            await policy.retire_adapter(AdapterRef("gpucheck", version, Path(path)))
-    finally:
-        await policy.close()

@@ -295,9 +295,33 @@ def bench_rollout(
     groups: Annotated[int, typer.Option(help="Groups to sample on each side.")] = 6,
     group_size: Annotated[int, typer.Option(help="G: completions per group.")] = 8,
     max_tokens: Annotated[int, typer.Option(help="Token limit per completion.")] = 32,
+    engine: Annotated[str, typer.Option(help="`worker`: the rollout worker vs the configured "
+                                        "engine called directly; `vllm`: vLLM vs the local "
+                                        "engine on the same groups.")] = "worker",
+    vllm_url: Annotated[str | None, typer.Option(help="With --engine vllm: a running "
+                                                 "server (default: start one, then stop it)."
+                                                 )] = None,
+    lora: Annotated[bool, typer.Option(help="With --engine vllm: also through a LoRA "
+                                       "version.")] = False,
+    gpu: Annotated[bool, typer.Option(help="With --engine vllm: start vLLM with the GPU "
+                                      "flags.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Groups through the rollout worker vs the engine directly (same prompts and seeds)."""
+    """Groups through the rollout worker vs the engine directly (same prompts and seeds), or
+    (`--engine vllm`) through vLLM vs the local engine."""
+    if engine == "vllm":
+        from flywheel.bench.engines import run_engine_bench
+        from flywheel.runtime.vllm import VLLMStartError
+
+        try:
+            result = run_engine_bench(groups, group_size=group_size, max_tokens=max_tokens,
+                                      vllm_url=vllm_url, lora=lora, gpu=gpu)
+        except VLLMStartError as err:
+            _fail(str(err))
+        print_result(result, as_json)
+        return
+    if engine != "worker":
+        _fail(f"--engine must be worker or vllm, not {engine!r}")
     from flywheel.bench.rollout import run_bench
 
     result = run_bench(groups, group_size=group_size, max_tokens=max_tokens)

@@ -126,19 +126,23 @@ def default_python() -> Path:
 
 
 def server_config(settings: Settings, *, device: Literal["cpu", "gpu"] = "cpu",
-                  port: int | None = None, **overrides: object) -> ServerConfig:
-    """The server that serves `settings`' policy: its model (converted by the model cache),
-    the trainer's LoRA rank, room for every version Flywheel keeps loaded."""
+                  port: int | None = None, model_dir: Path | None = None,
+                  **overrides: object) -> ServerConfig:
+    """The server that serves `settings`' policy: its model (`rollout.model_dir`, converted by
+    the model cache), the trainer's LoRA rank, room for every version Flywheel keeps loaded."""
     from dataclasses import replace
 
     from flywheel.policy.model_cache import resolve_model_dir
 
     r = settings.rollout
-    model_dir = resolve_model_dir(r.model_dir)
+    model_dir = model_dir or resolve_model_dir(r.model_dir)
     retention = r.max_staleness + 1  # what VLLMPolicy keeps loaded, plus production, baseline
+    if "chat_template" in overrides:
+        template = overrides.pop("chat_template")
+    else:  # loads the tokenizer: only when not given
+        template = chat_template_for(settings, model_dir)
     cfg = ServerConfig(model_dir=model_dir, served_name=r.vllm_model,
                        port=port or r.vllm_local_port, device=device,
                        lora_rank=settings.trainer.lora_r, max_loras=retention + 2,
-                       max_cpu_loras=retention + 5,
-                       chat_template=chat_template_for(settings, model_dir))
+                       max_cpu_loras=retention + 5, chat_template=template)  # type: ignore[arg-type]
     return replace(cfg, **overrides)  # type: ignore[arg-type]
