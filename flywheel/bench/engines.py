@@ -36,11 +36,14 @@ async def _side(policy: Policy, tasks: list[TaskSpec], cfg: GroupConfig,
     for i, task in enumerate(tasks[1:], start=1):
         group = await run_group(policy, task, env, cfg, adapter=adapter, seed=1000 + i,
                                 group_key=f"bench{i}")
+        failed = [r.not_run for r in group.rollouts if r.not_run is not None]
+        if failed:  # a throughput of attempts that did not run would be a made-up figure
+            raise RuntimeError(f"{len(failed)} of {len(group.rollouts)} attempts did not run "
+                               f"({', '.join(sorted(set(failed)))})")
         for rollout in group.rollouts:
             tokens += sum(len(t.token_ids) for t in rollout.turns)
             completions += len(rollout.turns)
-        prompts.append(group.rollouts[0].turns[0].prompt_token_ids if group.rollouts[0].turns
-                       else [])
+        prompts.append(group.rollouts[0].turns[0].prompt_token_ids)
     seconds = time.perf_counter() - started
     return {"seconds": round(seconds, 2), "completions": completions, "tokens": tokens,
             "completions_per_s": round(completions / seconds, 2),
@@ -85,8 +88,10 @@ def run_engine_bench(groups: int = 6, *, group_size: int = 8, max_tokens: int = 
     from flywheel.runtime.vllm import VLLMServer
 
     settings = Settings(rollout=RolloutSettings(vllm_model="policy-base"))
+    # No deadline: on a busy CPU a group may take minutes, and an attempt cut off would not
+    # count (the worker types it `timeout` and excludes it).
     cfg = GroupConfig(group_size=group_size, max_tokens=max_tokens,
-                      temperature=settings.rollout.temperature)
+                      temperature=settings.rollout.temperature, rollout_timeout_s=3600)
     tasks = fixed_tasks(groups + 1, seed=3)
     result: dict[str, Any] = {"groups": groups, "group_size": group_size,
                               "max_tokens": max_tokens, "vllm_device": "gpu" if gpu else "cpu"}
