@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,13 +115,11 @@ class CountingTransport(httpx.AsyncBaseTransport):
         self.inner = httpx.AsyncHTTPTransport()
         self.calls: dict[tuple[str, str], int] = {}
         self.failed: dict[str, int] = {}
-        self.started: dict[str, float] = {}
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         origin = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
         key = (origin, request.url.path)
         self.calls[key] = self.calls.get(key, 0) + 1
-        self.started.setdefault(origin, time.monotonic())
         try:
             return await self.inner.handle_async_request(request)
         except httpx.TransportError:
