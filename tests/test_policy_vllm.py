@@ -1,7 +1,7 @@
 """VLLMPolicy against a fake vLLM cluster (httpx.MockTransport).
 
 The fake speaks the parts of vLLM's HTTP API Flywheel uses, per replica, with the shapes
-and messages a real vLLM 0.32 server answers (tests/test_vllm_server.py checks the client
+and messages a real vLLM 0.32 server answers (tests/test_policy_vllm_server.py checks the client
 against one): /v1/models (full cards, `root` = the path as sent), /v1/load_lora_adapter
 (plain-text success without a content type; 400 for a name already loaded, 404 for a path
 it cannot read, **500** for an adapter its worker refuses), /v1/unload_lora_adapter,
