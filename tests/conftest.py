@@ -1,4 +1,5 @@
-"""Test session services: one real broker and one real Postgres, started by the session.
+"""Test session services: one real broker and one real Postgres, started by the session (and,
+for the `vllm`-marked tests, one real vLLM server).
 
 Each test gets its own database (a copy of a migrated template) and its own topic prefix,
 so tests never see each other's data.
@@ -6,11 +7,13 @@ so tests never see each other's data.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 import pytest
@@ -21,6 +24,10 @@ from flywheel.db import migrate
 from flywheel.db.engine import make_engine
 from flywheel.runtime.broker import LocalBroker, free_port
 from flywheel.runtime.postgres import LocalPostgres
+
+if TYPE_CHECKING:
+    from flywheel.policy.base import Policy
+    from tests.vllm_server import RealVLLM
 
 TEMPLATE_DB = "flywheel_template"
 
@@ -108,3 +115,52 @@ def settings(broker: LocalBroker, db_url: str, tmp_path: Path) -> Settings:
                             session_timeout_ms=2000, heartbeat_interval_ms=500),
         db=DbSettings(url=db_url),
     )
+
+
+# -- the real vLLM server of the `vllm`-marked tests (tests/vllm_server.py) -----------------
+
+
+@pytest.fixture(scope="session")
+def vllm_server(services_dir: Path) -> Iterator[RealVLLM]:
+    """One real vLLM server for the session, started as `flywheel vllm serve` starts it."""
+    from tests.vllm_server import REPORT, start_server, vllm_python
+
+    python = vllm_python()
+    if python is None:
+        pytest.skip("no vLLM environment: `make vllm` creates .venv-vllm (or set "
+                    "FLYWHEEL_TEST_VLLM_PYTHON to an interpreter with vLLM)")
+    real = start_server(python, services_dir / "vllm")
+    REPORT["engine start (s, until /health)"] = round(real.startup_s, 1)
+    try:
+        yield real
+    finally:
+        real.server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from tests.vllm_server import write_adapters
+
+    return write_adapters(tmp_path_factory.mktemp("vllm-adapters"))
+
+
+@pytest.fixture(scope="session")
+async def local_engine() -> AsyncIterator[Policy]:
+    """The in-process engine on the same model, to compare vLLM against."""
+    from flywheel.policy.factory import make_policy
+
+    policy = make_policy(Settings())
+    yield policy
+    await policy.close()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    from tests.vllm_server import REPORT, report_lines
+
+    if not REPORT:
+        return
+    terminalreporter.section("vLLM measurements (this machine, this run)")
+    for line in report_lines():
+        terminalreporter.write_line(line)
+    if path := os.environ.get("FLYWHEEL_TEST_VLLM_REPORT"):
+        Path(path).write_text(json.dumps(REPORT, indent=2))

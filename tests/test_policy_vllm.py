@@ -1,15 +1,20 @@
-"""VLLMPolicy against a fake vLLM cluster (httpx.MockTransport), plus one real-vLLM check.
+"""VLLMPolicy against a fake vLLM cluster (httpx.MockTransport).
 
-The fake speaks the parts of vLLM's HTTP API Flywheel uses, per replica: /v1/models (with
-`root`), /v1/load_lora_adapter, /v1/unload_lora_adapter, /v1/chat/completions (logprob tokens
-as "token_id:N"), /tokenize and /detokenize. Its tokenizer is one token per character
-(id = ord(c)), so expected ids and cuts are easy to compute by hand.
+The fake speaks the parts of vLLM's HTTP API Flywheel uses, per replica, with the shapes
+and messages a real vLLM 0.32 server answers (tests/test_policy_vllm_server.py checks the client
+against one): /v1/models (full cards, `root` = the path as sent), /v1/load_lora_adapter
+(plain-text success without a content type; 400 for a name already loaded, 404 for a path
+it cannot read, **500** for an adapter its worker refuses), /v1/unload_lora_adapter,
+/v1/chat/completions (logprob tokens as "token_id:N", `token_ids` per choice, the EOS token
+in the tokens but not the text), /tokenize and /detokenize (special tokens kept), and the
+`--max-cpu-loras` cache: an evicted adapter whose directory was deleted kills the engine
+(EngineDeadError: HTTP 500 for every request from then on). Its tokenizer is one token per
+character (id = ord(c), EOS = 2), so expected ids and cuts are easy to compute by hand.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +24,15 @@ import httpx
 import pytest
 
 from flywheel.policy.base import AdapterRef, Policy, PolicyError, SamplingParams
-from flywheel.policy.vllm import VLLMPolicy, is_retryable, json_object_end
+from flywheel.policy.vllm import (
+    AdapterLoadError,
+    ReplicaUnavailable,
+    VLLMError,
+    VLLMPolicy,
+    is_retryable,
+    json_object_end,
+    served_versions,
+)
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -37,15 +50,52 @@ def _json(status: int, body: Any) -> httpx.Response:
     return httpx.Response(status, json=body)
 
 
-def _error(status: int, message: str) -> httpx.Response:
-    return _json(status, {"error": {"message": message, "type": "Error", "code": status}})
+EOS_ID, EOS_TEXT = 2, "<|im_end|>"
+_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
+
+
+def _error(status: int, message: str, kind: str | None = None,
+           param: str | None = None) -> httpx.Response:
+    return _json(status, {"error": {"message": message, "type": kind or _TYPES.get(
+        status, "Error"), "param": param, "code": status}})
+
+
+def _worker_failed(why: str) -> httpx.Response:
+    return _error(500, f"Call to add_lora method failed: Worker failed with error '{why}', "
+                  "please check the stack trace above for the root cause")
+
+
+def _card(name: str, root: str, parent: str | None) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 1796120817, "owned_by": "vllm",
+            "root": root, "parent": parent, "max_model_len": None if parent else 2048,
+            "permission": [{"id": "modelperm-1", "object": "model_permission",
+                            "allow_sampling": True, "allow_logprobs": True}]}
+
+
+@dataclass
+class Disk:
+    """The adapter volume as the replicas see it: every path exists unless deleted."""
+
+    missing: set[str] = field(default_factory=set)
+    ranks: dict[str, int] = field(default_factory=dict)
+    corrupt: set[str] = field(default_factory=set)
 
 
 @dataclass
 class FakeReplica:
     url: str
+    disk: Disk = field(default_factory=Disk)
     base_model: str = "base"
     loaded: dict[str, str] = field(default_factory=dict)
+    lora_enabled: bool = True
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    """None: every loaded adapter stays in memory."""
+    dead: bool = False
+    """EngineDeadError: the engine is gone, every request answers 500."""
+    unreachable: bool = False
+    """Nothing listens: every request is refused."""
+    _cpu: list[str] = field(default_factory=list)
     lag_once: bool = False
     """The first /v1/models after a load does not list the new adapter yet."""
     never_list: bool = False
@@ -63,38 +113,82 @@ class FakeReplica:
         self.calls[path] += 1
         body = json.loads(request.content) if request.content else {}
         self.bodies.append((path, body))
+        if self.unreachable:
+            raise httpx.ConnectError("connection refused", request=request)
+        if self.dead:
+            if path == "/health":
+                return httpx.Response(503)
+            return _error(500, "EngineCore encountered an issue. See stack trace (above) for "
+                          "the root cause.")
+        if path == "/health":
+            return httpx.Response(200)
         if path == "/v1/models":
             visible = {n: p for n, p in self.loaded.items()
                        if not self.never_list and n not in self._hidden}
             self._hidden.clear()
-            cards = [{"id": self.base_model, "root": "/models/base", "parent": None}]
-            cards += [{"id": n, "root": p, "parent": self.base_model} for n, p in visible.items()]
+            cards = [_card(self.base_model, "/models/SmolLM2-135M-Instruct", None)]
+            cards += [_card(n, p, self.base_model) for n, p in visible.items()]
             return _json(200, {"object": "list", "data": cards})
         if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter") and not self.runtime_lora:
             return _json(404, {"detail": "Not Found"})
         if path == "/v1/load_lora_adapter":
-            name = body["lora_name"]
-            if name in self.loaded:
-                return _error(400, f"The lora adapter '{name}' has already been loaded.")
-            self.loaded[name] = body["lora_path"]
-            if self.lag_once:
-                self._hidden.add(name)
-                self.lag_once = False
-            return httpx.Response(200, text=f"Success: LoRA adapter '{name}' added successfully.")
+            return self._load(body["lora_name"], body["lora_path"])
         if path == "/v1/unload_lora_adapter":
             name = body["lora_name"]
             if self.loaded.pop(name, None) is None:
                 return _error(404, f"The lora adapter '{name}' cannot be found.")
-            return httpx.Response(200, text=f"Success: LoRA adapter '{name}' removed.")
+            if name in self._cpu:
+                self._cpu.remove(name)
+            # vLLM answers plain text without a content type.
+            return httpx.Response(200, content=f"Success: LoRA adapter '{name}' removed "
+                                  "successfully.".encode())
         if path == "/tokenize":
             ids = [ord(c) for c in _render(body["messages"],
                                            body.get("add_generation_prompt", True))]
-            return _json(200, {"tokens": ids, "count": len(ids), "max_model_len": 4096})
-        if path == "/detokenize":
-            return _json(200, {"prompt": "".join(chr(t) for t in body["tokens"])})
+            return _json(200, {"count": len(ids), "max_model_len": 4096, "tokens": ids,
+                               "token_strs": None})
+        if path == "/detokenize":  # special tokens are kept
+            return _json(200, {"prompt": "".join(EOS_TEXT if t == EOS_ID else chr(t)
+                                                 for t in body["tokens"])})
         if path == "/v1/chat/completions":
             return self._chat(request, body)
         return _json(404, {"detail": "Not Found"})
+
+    def _load(self, name: str, path: str) -> httpx.Response:
+        if name in self.loaded:  # whatever the path: only the client's root check sees that
+            return _error(400, f"The lora adapter '{name}' has already been loaded. If you "
+                          "want to load the adapter in place, set 'load_inplace' to True.",
+                          "InvalidUserInput")
+        if path in self.disk.missing:
+            return _error(404, f"Loading lora {name} failed: No adapter found for {path}")
+        if not self.lora_enabled:
+            return _worker_failed("LoRA is not enabled. Use --enable-lora to enable LoRA.")
+        rank = self.disk.ranks.get(path, 16)
+        if rank > self.max_lora_rank:
+            return _worker_failed(f"LoRA rank {rank} is greater than max_lora_rank "
+                                  f"{self.max_lora_rank}.")
+        if path in self.disk.corrupt:
+            return _worker_failed("Error while deserializing header: incomplete metadata, "
+                                  "file not fully covered")
+        self.loaded[name] = path
+        self._use(name)
+        if self.lag_once:
+            self._hidden.add(name)
+            self.lag_once = False
+        return httpx.Response(200, content=f"Success: LoRA adapter '{name}' added "
+                              "successfully.".encode())
+
+    def _use(self, name: str) -> bool:
+        """Bring an adapter into the CPU cache (LRU); False when its files are gone."""
+        if name in self._cpu:
+            self._cpu.remove(name)
+        elif self.loaded[name] in self.disk.missing:
+            self.dead = True  # FileNotFoundError in the worker → EngineDeadError
+            return False
+        self._cpu.append(name)
+        if self.max_cpu_loras is not None:
+            del self._cpu[:-self.max_cpu_loras]
+        return True
 
     def _chat(self, request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
         if self.chat_failures:
@@ -102,22 +196,35 @@ class FakeReplica:
             if failure == "connect":
                 raise httpx.ConnectError("connection refused", request=request)
             return _error(int(failure), f"injected failure {failure}")
-        if body["model"] != self.base_model and body["model"] not in self.loaded:
-            return _error(404, f"The model `{body['model']}` does not exist.")
+        model = body["model"]
+        if model != self.base_model and model not in self.loaded:
+            return _error(404, f"The model `{model}` does not exist. Valid aliases: "
+                          f"{self.base_model}.", param="model")
+        if model != self.base_model and not self._use(model):
+            return _error(500, "EngineCore encountered an issue. See stack trace (above) for "
+                          "the root cause.")
         choices = []
         for i in range(body["n"]):
             text, finish, stop_reason = self.texts[i % len(self.texts)], "stop", None
+            ids = [ord(c) for c in text] + [EOS_ID]  # the model ends its turn
             for stop in body.get("stop", []):
                 if stop in text:
                     text, stop_reason = text[:text.index(stop) + len(stop)], stop
-            if len(text) > body["max_tokens"]:
-                text, finish = text[:body["max_tokens"]], "length"
-            content = [{"token": f"token_id:{ord(c)}", "logprob": _logprob(j), "bytes": []}
-                       for j, c in enumerate(text)]
-            choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                            "logprobs": {"content": content}, "finish_reason": finish,
-                            "stop_reason": stop_reason})
-        data: dict[str, Any] = {"id": "chatcmpl-1", "model": body["model"], "choices": choices}
+                    ids = [ord(c) for c in text]
+            if len(ids) > body["max_tokens"]:
+                ids, finish = ids[:body["max_tokens"]], "length"
+                text = "".join(chr(t) for t in ids if t != EOS_ID)
+            content = [{"token": f"token_id:{t}", "logprob": _logprob(j),
+                        "bytes": list((EOS_TEXT if t == EOS_ID else chr(t)).encode()),
+                        "top_logprobs": []} for j, t in enumerate(ids)]
+            choices.append({"index": i, "message": {
+                "role": "assistant", "content": text, "refusal": None, "annotations": None,
+                "audio": None, "function_call": None, "reasoning": None},
+                "logprobs": {"content": content}, "finish_reason": finish,
+                "stop_reason": stop_reason, "token_ids": ids})
+        data: dict[str, Any] = {"id": "chatcmpl-1", "object": "chat.completion",
+                                "model": model, "choices": choices,
+                                "system_fingerprint": "vllm-0.32.0-fake"}
         if self.returns_prompt_ids:
             data["prompt_token_ids"] = [ord(c) for c in _render(
                 body["messages"], body.get("add_generation_prompt", True))]
@@ -126,7 +233,8 @@ class FakeReplica:
 
 class FakeCluster:
     def __init__(self, n: int) -> None:
-        self.replicas = [FakeReplica(f"http://replica{i}:8000") for i in range(n)]
+        self.disk = Disk()
+        self.replicas = [FakeReplica(f"http://replica{i}:8000", self.disk) for i in range(n)]
         self.transport = httpx.MockTransport(self._route)
 
     def _route(self, request: httpx.Request) -> httpx.Response:
@@ -236,8 +344,9 @@ async def test_retire_unloads_everywhere_and_ignores_replicas_without_it() -> No
     del cluster.replicas[0].loaded["policy@v1"]  # e.g. a restarted replica
     await policy.retire_adapter(ref(1))
     assert all(not r.loaded for r in cluster.replicas)
-    with pytest.raises(PolicyError, match="not loaded on any replica"):
+    with pytest.raises(PolicyError, match="was retired"):
         await policy.sample(MESSAGES, SamplingParams(n=1), adapter=ref(1))
+    assert all(r.calls["/v1/load_lora_adapter"] == 1 for r in cluster.replicas)  # no reload
 
 
 async def test_runtime_lora_disabled_names_the_setting_to_fix() -> None:
@@ -245,6 +354,114 @@ async def test_runtime_lora_disabled_names_the_setting_to_fix() -> None:
     cluster.replicas[0].runtime_lora = False
     with pytest.raises(PolicyError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
         await cluster.policy().ensure_adapter(ref(1))
+
+
+@pytest.mark.parametrize(("setup", "fix"), [
+    (lambda c: c.disk.ranks.update({"/adapters/policy/v1": 32}),
+     r"rank 32 but the server serves at most 16: start vLLM with --max-lora-rank ≥ 32"),
+    (lambda c: c.disk.corrupt.add("/adapters/policy/v1"),
+     r"incomplete metadata.*publish the weights again as a new version"),
+    (lambda c: [setattr(r, "lora_enabled", False) for r in c.replicas],
+     r"start vLLM with --enable-lora"),
+    (lambda c: c.disk.missing.add("/adapters/policy/v1"),
+     r"No adapter found.*mount the adapter volume at the same path"),
+])
+async def test_an_adapter_the_server_refuses_fails_at_once_with_the_fix(setup: Any,
+                                                                       fix: str) -> None:
+    """vLLM answers 500 for a refused adapter; it must not be retried nor bench the replica."""
+    cluster = FakeCluster(2)
+    setup(cluster)
+    policy = cluster.policy()
+    with pytest.raises(AdapterLoadError, match=fix) as caught:
+        await policy.ensure_adapter(ref(1))
+    assert "policy@v1" in str(caught.value)
+    for r in cluster.replicas:
+        assert r.calls["/v1/load_lora_adapter"] == 1  # no retry
+    assert all(r.failures == 0 and r.down_until == 0 for r in policy._replicas)
+    for _ in range(4):  # both replicas still serve the base model
+        await policy.sample(MESSAGES, SamplingParams(n=1))
+    assert all(r.calls["/v1/chat/completions"] == 2 for r in cluster.replicas)
+
+
+async def test_an_evicted_adapter_whose_directory_was_deleted_kills_that_replica() -> None:
+    cluster = FakeCluster(2)
+    cluster.replicas[0].max_cpu_loras = 1
+    policy = cluster.policy(cooldown_s=60)
+    await policy.ensure_adapter(ref(1))
+    await policy.ensure_adapter(ref(2))  # v1 falls out of replica0's CPU cache
+    cluster.disk.missing.add("/adapters/policy/v1")  # what retention must never do
+    for _ in range(3):
+        out = await policy.sample(MESSAGES, SamplingParams(n=1), adapter=ref(1))
+        assert out[0].extra["replica"] == "http://replica1:8000"
+    assert cluster.replicas[0].dead
+    assert cluster.replicas[0].calls["/v1/chat/completions"] == 1  # benched at once
+    cluster.replicas[1].dead = True
+    with pytest.raises(VLLMError, match=r"engine is dead.*restarted") as caught:
+        await policy.sample(MESSAGES, SamplingParams(n=1))
+    assert caught.value.kind == "dead"
+
+
+async def test_a_version_name_never_comes_back_with_other_weights() -> None:
+    cluster = FakeCluster(2)
+    policy = cluster.policy()
+    await policy.ensure_adapter(ref(1))
+    await policy.retire_adapter(ref(1))
+    with pytest.raises(PolicyError, match=r"placed from /adapters/policy/v1 before.*immutable"):
+        await policy.ensure_adapter(ref(1, "/adapters/policy/v1-retrained"))
+    assert all("policy@v1" not in r.loaded for r in cluster.replicas)
+    await policy.ensure_adapter(ref(1))  # the same immutable files may be placed again
+    assert all(r.loaded == {"policy@v1": "/adapters/policy/v1"} for r in cluster.replicas)
+
+
+async def test_a_replica_that_is_down_does_not_stop_a_new_version_on_the_others() -> None:
+    cluster = FakeCluster(3)
+    cluster.replicas[2].unreachable = True
+    policy = cluster.policy()
+    await policy.ensure_adapter(ref(1))
+    assert [sorted(r.loaded) for r in cluster.replicas] == [["policy@v1"], ["policy@v1"], []]
+    for _ in range(4):
+        (c,) = await policy.sample(MESSAGES, SamplingParams(n=1), adapter=ref(1))
+        assert c.extra["replica"] != "http://replica2:8000"
+    calls = cluster.replicas[2].calls["/v1/models"]
+    await policy.ensure_adapter(ref(2))  # benched: one attempt, not max_retries
+    assert cluster.replicas[2].calls["/v1/models"] == calls + 1
+    cluster.replicas[2].unreachable = False  # back (restarted, empty)
+    await policy.ensure_adapter(ref(2))
+    assert sorted(cluster.replicas[2].loaded) == ["policy@v2"]
+
+
+async def test_with_every_replica_down_placement_fails_typed() -> None:
+    cluster = FakeCluster(2)
+    for r in cluster.replicas:
+        r.unreachable = True
+    with pytest.raises(ReplicaUnavailable, match=r"no replica is available.*replica0.*replica1"):
+        await cluster.policy(max_retries=1).ensure_adapter(ref(1))
+
+
+async def test_the_eos_token_is_in_the_tokens_not_in_the_text() -> None:
+    cluster = FakeCluster(1)
+    (c,) = await cluster.policy().sample(MESSAGES, SamplingParams(n=1))
+    assert c.text == "abc" and c.finish_reason == "stop"
+    assert c.token_ids == [*map(ord, "abc"), EOS_ID]
+    assert len(c.logprobs) == 4
+
+
+async def test_served_versions_lists_every_replica_and_refuses_to_guess() -> None:
+    cluster = FakeCluster(2)
+    policy = cluster.policy()
+    await policy.ensure_adapter(ref(3))
+    cluster.replicas[1].loaded["policy@v1"] = "/adapters/policy/v1"
+    cluster.replicas[1].loaded["other@v7"] = "/adapters/other/v7"
+    urls = [r.url for r in cluster.replicas]
+    assert await served_versions(urls, "policy", transport=cluster.transport) == {1, 3}
+
+    def down(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "replica0":
+            raise httpx.ConnectError("connection refused", request=request)
+        return cluster.transport.handler(request)  # type: ignore[attr-defined,no-any-return]
+
+    with pytest.raises(PolicyError, match=r"replica0.*unreachable"):
+        await served_versions(urls, "policy", transport=httpx.MockTransport(down))
 
 
 async def test_a_503_is_retried_and_then_succeeds() -> None:
@@ -342,7 +559,7 @@ async def test_stop_at_json_end_cuts_text_tokens_and_logprobs() -> None:
     assert cut.token_ids == [ord(c) for c in expected]
     assert cut.logprobs == [_logprob(j) for j in range(len(expected))]
     assert cut.finish_reason == "stop"
-    assert cut.extra["cut_at_json_end"] == len(" and then chatter")
+    assert cut.extra["cut_at_json_end"] == len(" and then chatter") + 1  # and the EOS
     assert whole.text == '"s"}' and "cut_at_json_end" not in whole.extra
 
 
@@ -365,28 +582,3 @@ def test_retry_classifier() -> None:
     assert is_retryable(httpx.ReadTimeout("slow", request=request))
     assert not is_retryable(PolicyError("bad input"))
     assert not is_retryable(ValueError("bug"))
-
-
-@pytest.mark.gpu
-async def test_real_vllm_serves_two_adapter_versions() -> None:
-    """Needs a running vLLM (infra/gpu-check.sh sets these up)."""
-    url = os.environ.get("FLYWHEEL_TEST_VLLM_URL")
-    if not url:
-        pytest.skip("set FLYWHEEL_TEST_VLLM_URL (and _MODEL, _ADAPTERS) to a running vLLM")
-    model = os.environ["FLYWHEEL_TEST_VLLM_MODEL"]
-    paths = os.environ["FLYWHEEL_TEST_VLLM_ADAPTERS"].split(os.pathsep)
-    policy = VLLMPolicy(url.split(","), model=model, policy_name="gpucheck")
-    try:
-        params = SamplingParams(n=8, max_tokens=16, temperature=1.0, seed=1)
-        for version, path in enumerate(paths[:2], start=1):
-            adapter = AdapterRef("gpucheck", version, Path(path))
-            await policy.ensure_adapter(adapter)
-            out = await policy.sample(MESSAGES, params, adapter=adapter)
-            assert len(out) == 8 and all(c.adapter == adapter.name for c in out)
-            assert all(len(c.token_ids) == len(c.logprobs) > 0 for c in out)
-            assert all(c.prompt_token_ids for c in out)
-            assert all(lp <= 0 for c in out for lp in c.logprobs)
-        for version, path in enumerate(paths[:2], start=1):
-            await policy.retire_adapter(AdapterRef("gpucheck", version, Path(path)))
-    finally:
-        await policy.close()

@@ -62,9 +62,16 @@ class ServingSync:
             self._policy = make_policy(self.settings)
         return self._policy
 
-    def replicas(self) -> list[str]:
+    def replicas(self, target: Target | None = None) -> list[str]:
+        """Where `target` serves: the replicas that loaded and verified it (a replica that
+        was down is left out, and loaded once it answers), else every configured one."""
         r = self.settings.rollout
-        return list(r.vllm_urls) if r.engine == "vllm" else ["local"]
+        if r.engine != "vllm":
+            return ["local"]
+        placed = getattr(self._policy, "replicas_serving", None)
+        if target is not None and target.adapter is not None and placed is not None:
+            return list(placed(target.adapter.name))
+        return list(r.vllm_urls)
 
     async def sync_once(self) -> bool:
         """Follow the pointer once; True when the alias moved."""
@@ -88,7 +95,7 @@ class ServingSync:
             if row.serving != row.version or row.served_name is None:
                 await self._record(target)
             self.current = target
-            log.info("production alias → %s on %s", target.name, self.replicas())
+            log.info("production alias → %s on %s", target.name, self.replicas(target))
             return True
 
     async def _record(self, target: Target) -> None:
@@ -101,7 +108,8 @@ class ServingSync:
             event = ServingSwitched(aggregate_id=f"{self.name}@serving",
                                     payload=ServingSwitchedPayload(
                                         policy=self.name, version=target.version,
-                                        served_name=target.name, replicas=self.replicas(),
+                                        served_name=target.name,
+                                        replicas=self.replicas(target),
                                         cause_event_id=cause))
             await lifecycle.apply_event(conn, event, self.settings.topics)
 

@@ -34,8 +34,10 @@ from flywheel.cli.common import (  # noqa: E402
 )
 from flywheel.cli.publish import publish  # noqa: E402
 from flywheel.cli.review import adapters_app, promotions_app, replay  # noqa: E402
+from flywheel.cli.vllm import vllm_app  # noqa: E402
 
 app.add_typer(promotions_app, name="promotions")
+app.add_typer(vllm_app, name="vllm")
 app.add_typer(adapters_app, name="adapters")
 app.command()(replay)
 app.command()(publish)
@@ -55,9 +57,11 @@ def up(detach: Annotated[bool, typer.Option("--detach", "-d",
     from flywheel.runtime.stack import Stack
 
     settings = _settings()
+    local_vllm = settings.rollout.engine == "vllm" and not settings.rollout.vllm_urls
     if detach:
-        try:
-            run = detach_stack(settings, repair_wait_s=repair_wait)
+        try:  # a local vLLM on CPU takes up to a minute or two to start
+            run = detach_stack(settings, timeout=900 if local_vllm else 180,
+                               repair_wait_s=repair_wait)
         except (RuntimeError, StackDegraded) as err:
             _fail(str(err))
             return
@@ -66,8 +70,10 @@ def up(detach: Annotated[bool, typer.Option("--detach", "-d",
     from flywheel.runtime.logs import configure_logging
 
     configure_logging()
+    from flywheel.cli.vllm import build_server
+
     try:
-        Stack(settings).run()
+        Stack(settings, vllm=build_server(settings)[1] if local_vllm else None).run()
     except RuntimeError as err:
         _fail(str(err))
 
@@ -85,6 +91,8 @@ def _print_run(run: dict[str, Any], home: Path) -> None:
     console.print(f"  kafka     {run['kafka_bootstrap']}")
     console.print(f"  postgres  {mask_url(run['database_url'])}", soft_wrap=True)
     console.print(f"  api       {run['api_url']}")
+    if run.get("vllm_url"):
+        console.print(f"  vllm      {run['vllm_url']}")
     if run.get("dashboard_url"):
         console.print(f"  dashboard {run['dashboard_url']}")
     console.print(f"  logs      {run['logs']}")
@@ -314,10 +322,34 @@ def bench_rollout(
     max_tokens: Annotated[int, typer.Option(help="Token limit per completion.")] = 32,
     worker: Annotated[bool, typer.Option(
         help="Also run the groups through the rollout worker (Kafka, Postgres).")] = True,
+    engine: Annotated[str, typer.Option(help="`worker`: the rollout worker vs the configured "
+                                        "engine called directly; `vllm`: vLLM vs the local "
+                                        "engine on the same groups.")] = "worker",
+    vllm_url: Annotated[str | None, typer.Option(help="With --engine vllm: a running "
+                                                 "server (default: start one, then stop it)."
+                                                 )] = None,
+    lora: Annotated[bool, typer.Option(help="With --engine vllm: also through a LoRA "
+                                       "version.")] = False,
+    gpu: Annotated[bool, typer.Option(help="With --engine vllm: start vLLM with the GPU "
+                                      "flags.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Groups through the rollout worker vs the engine directly, and the engine with prompts
-    shared vs run in full (same prompts and seeds)."""
+    shared vs run in full (same prompts and seeds); or (`--engine vllm`) vLLM vs the local
+    engine on the same groups."""
+    if engine == "vllm":
+        from flywheel.bench.engines import run_engine_bench
+        from flywheel.runtime.vllm import VLLMStartError
+
+        try:
+            result = run_engine_bench(groups, group_size=group_size, max_tokens=max_tokens,
+                                      vllm_url=vllm_url, lora=lora, gpu=gpu)
+        except VLLMStartError as err:
+            _fail(str(err))
+        print_result(result, as_json)
+        return
+    if engine != "worker":
+        _fail(f"--engine must be worker or vllm, not {engine!r}")
     from flywheel.bench.rollout import run_bench
 
     result = run_bench(groups, group_size=group_size, max_tokens=max_tokens, worker=worker)

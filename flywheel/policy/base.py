@@ -56,7 +56,9 @@ class Completion:
     """The generated text, without the prefill."""
     token_ids: list[int]
     logprobs: list[float]
-    """Sampling log-prob of each generated token (same length as `token_ids`)."""
+    """Sampling log-prob of each generated token (same length as `token_ids`). Both engines
+    agree (and match the trainer) at top_p = 1, which rollouts use; with top_p < 1 vLLM
+    reports the log-prob under the renormalised nucleus, the local engine without it."""
     prompt_token_ids: list[int]
     finish_reason: str
     """"stop" (a stop condition or EOS) or "length"."""

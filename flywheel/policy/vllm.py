@@ -3,10 +3,17 @@
 Owns adapter placement and routing. `ensure_adapter` loads an immutable version name
 (`<policy>@v<N>`) on every replica, verifies each through `/v1/models` and only then routes to
 it; a name already listed is never loaded again (reloading a name serves stale prefix-cache
-entries). Retention keeps the newest `retention` versions plus the pinned ones (production,
-baseline). `sample` sends one chat completion with `n = G` to the least-loaded healthy replica
-that serves the adapter and returns token ids and sampling log-probs exactly as vLLM sampled
-them (the server must run with `--logprobs-mode processed_logprobs`: see infra/vllm.md).
+entries), and a name once placed from one directory is refused from any other, even after
+it was retired. Retention keeps the newest `retention` versions plus the pinned ones
+(production, baseline). Errors are typed by what retrying can do (`vllm_errors`): an adapter
+the server refuses (rank too big, unreadable weights: HTTP 500 from vLLM) fails at once with
+the fix and never benches a healthy replica; a dead engine is benched at once.
+
+`sample` sends one chat completion with `n = G` to the least-loaded healthy replica that
+serves the adapter and returns token ids and sampling log-probs exactly as vLLM sampled them
+(the server must run with `--logprobs-mode processed_logprobs`: see infra/vllm.md), the EOS
+token included when the model ended its turn (in the tokens, not the text). Sampling never
+loads an adapter by itself.
 
 `stop_at_json_end` is emulated: vLLM has no such stop condition, so generation runs with the
 usual stop list and the client cuts each completion where `prefill + text` closes its outermost
@@ -43,49 +50,35 @@ from flywheel.policy.base import (
     json_object_end,
     served_name,
 )
+from flywheel.policy.vllm_errors import (
+    AdapterLoadError,
+    ReplicaUnavailable,
+    VLLMError,
+    classify,
+    error_message,
+    is_retryable,
+    load_fix,
+    unavailable,
+)
 
+__all__ = ["AdapterLoadError", "ReplicaUnavailable", "VLLMError", "VLLMPolicy", "is_retryable",
+           "json_object_end", "served_versions"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _TOKEN_ID = "token_id:"
-
-
-class VLLMError(PolicyError):
-    """One replica answered with an HTTP error."""
-
-    def __init__(self, replica: str, status: int, message: str) -> None:
-        super().__init__(f"{replica} answered HTTP {status}: {message}")
-        self.replica, self.status, self.message = replica, status, message
 
 
 class _AdapterGone(PolicyError):
     """A replica no longer serves an adapter it had (restart, eviction): try another one."""
 
 
-def is_retryable(exc_or_response: BaseException | httpx.Response) -> bool:
-    """Transient (retry with backoff): connection errors, timeouts, HTTP 5xx and 429."""
-    if isinstance(exc_or_response, httpx.Response):
-        status = exc_or_response.status_code
-        return status == 429 or status >= 500
-    if isinstance(exc_or_response, _AdapterGone):
-        return True
-    if isinstance(exc_or_response, VLLMError):
-        return exc_or_response.status == 429 or exc_or_response.status >= 500
-    return isinstance(exc_or_response, httpx.TransportError)
+def _sampling_retryable(exc: BaseException) -> bool:
+    return isinstance(exc, _AdapterGone) or is_retryable(exc)
 
 
-def _error_message(resp: httpx.Response) -> str:
-    try:
-        body = resp.json()
-    except ValueError:
-        return resp.text[:500] or resp.reason_phrase
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and "message" in err:  # current vLLM ErrorResponse
-            return str(err["message"])
-        for key in ("message", "detail"):  # older vLLM / FastAPI's own 404
-            if key in body:
-                return str(body[key])
-    return str(body)[:500]
+def _replica_retryable(exc: BaseException) -> bool:
+    """Retrying the same replica: pointless once its engine is dead."""
+    return is_retryable(exc) and not (isinstance(exc, VLLMError) and exc.kind == "dead")
 
 
 def _same_path(root: str | None, path: str) -> bool:
@@ -125,6 +118,10 @@ class VLLMPolicy:
         self._client = httpx.AsyncClient(transport=transport, timeout=timeout_s, headers=headers)
         self._admin = asyncio.Lock()  # loads/unloads are rare; serialising them avoids races
         self._rr = 0
+        self._paths: dict[str, str] = {}
+        """Every adapter name this instance placed → its directory; kept after retiring, so
+        a version name never comes back with other weights."""
+        self._retired: set[str] = set()
 
     # -- pins ---------------------------------------------------------------------------------
     @property
@@ -138,19 +135,52 @@ class VLLMPolicy:
     def unpin(self, name: str) -> None:
         self._pinned.discard(name)
 
+    def replicas_serving(self, name: str) -> list[str]:
+        """The replicas `name` was placed and verified on (where sampling may go)."""
+        return [r.url for r in self._replicas if name in r.adapters]
+
     # -- adapters ------------------------------------------------------------------------------
     async def ensure_adapter(self, adapter: AdapterRef) -> None:
         self._check_policy(adapter)
+        known = self._paths.get(adapter.name)
+        if known is not None and not _same_path(known, str(adapter.path)):
+            raise PolicyError(f"{adapter.name} was placed from {known} before, not "
+                              f"{adapter.path}: a version name is immutable; publish the new "
+                              "weights as a new version")
         async with self._admin:
-            # Check every replica before loading anywhere: a name served from another path is
-            # a broken invariant, and a half-done placement must not become routable.
-            listings = await _fan_out([self._listing(r) for r in self._replicas])
-            for r, listing in zip(self._replicas, listings, strict=True):
+            # Check every reachable replica before loading anywhere: a name served from
+            # another path is a broken invariant. A replica that is down is skipped (it is
+            # checked and loaded on a later call once it answers): one dead replica must not
+            # stop new versions from serving on the others, and sampling only ever routes to
+            # replicas verified here.
+            up = await self._reachable([self._listing(r) for r in self._replicas],
+                                       self._replicas, f"place {adapter.name}")
+            for r, listing in up:
                 if adapter.name in listing:
                     self._check_root(r, adapter.name, listing[adapter.name], str(adapter.path))
-            pairs = zip(self._replicas, listings, strict=True)
-            listings = await _fan_out([self._place(r, adapter, listing) for r, listing in pairs])
-            await self._enforce_retention(adapter.name, listings)
+            self._paths[adapter.name] = str(adapter.path)
+            self._retired.discard(adapter.name)
+            placed = await self._reachable([self._place(r, adapter, listing) for r, listing in up],
+                                           [r for r, _ in up], f"place {adapter.name}")
+            await self._enforce_retention(adapter.name, [listing for _, listing in placed])
+
+    async def _reachable(self, calls: Sequence[Awaitable[T]], replicas: Sequence[_Replica],
+                         what: str) -> list[tuple[_Replica, T]]:
+        """Run one call per replica to the end; results of those that answered. Replicas that
+        are unavailable are logged and left out, unless all are; any other error is raised."""
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        down = [(r, e) for r, e in zip(replicas, results, strict=True)
+                if isinstance(e, BaseException) and unavailable(e)]
+        await _fan_out([_raise(e) for e in results if isinstance(e, BaseException)
+                        and not unavailable(e)])
+        answered = [(r, v) for r, v in zip(replicas, results, strict=True)
+                    if not isinstance(v, BaseException)]
+        if down and not answered:
+            raise ReplicaUnavailable(f"cannot {what}: no replica is available ("
+                                     + "; ".join(str(e) for _, e in down) + ")") from down[0][1]
+        for r, e in down:
+            log.warning("could not %s on %s (skipped until it answers again): %s", what, r.url, e)
+        return answered
 
     async def retire_adapter(self, adapter: AdapterRef) -> None:
         self._check_policy(adapter)
@@ -159,6 +189,7 @@ class VLLMPolicy:
                               "before retiring it")
         async with self._admin:
             await self._unload_everywhere(adapter.name)
+            self._retired.add(adapter.name)
 
     async def _place(self, r: _Replica, adapter: AdapterRef,
                      listing: dict[str, str | None]) -> dict[str, str | None]:
@@ -172,7 +203,10 @@ class VLLMPolicy:
             except VLLMError as e:
                 # "already been loaded": a concurrent loader won; verification checks its path.
                 if not (e.status == 400 and "already" in e.message):
-                    raise self._admin_error(e, f"loading {name} from {path}") from e
+                    if e.kind != "permanent":
+                        raise
+                    raise AdapterLoadError(r.url, name, e.status, e.message,
+                                           load_fix(e, path)) from e
             listing = await self._verify(r, name, path)
         r.adapters[name] = path
         return listing
@@ -215,16 +249,12 @@ class VLLMPolicy:
                 log.info("unloaded %s on %s", name, r.url)
             except VLLMError as e:
                 if not (e.status in (400, 404) and "cannot be found" in e.message):
-                    raise self._admin_error(e, f"unloading {name}") from e
+                    if e.status == 404 and e.message.strip() == "Not Found":
+                        raise PolicyError(f"unloading {name} on {r.url}: {load_fix(e, '')}"
+                                          ) from e
+                    raise
 
         await _fan_out([unload(r) for r in self._replicas])
-
-    def _admin_error(self, e: VLLMError, what: str) -> PolicyError:
-        if e.status == 404 and e.message.strip() == "Not Found":
-            return PolicyError(f"{what} on {e.replica}: runtime LoRA updates are disabled; start "
-                               "vLLM with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
-        return PolicyError(f"{what} on {e.replica} failed (HTTP {e.status}): {e.message}; is the "
-                           "adapter directory visible at the same path on every replica?")
 
     def _check_policy(self, adapter: AdapterRef) -> None:
         if adapter.policy != self.policy_name:
@@ -250,8 +280,10 @@ class VLLMPolicy:
             r.adapters[adapter.name] = str(adapter.path)
         serving = [r for r in self._replicas if adapter.name in r.adapters]
         if not serving:
-            raise PolicyError(f"{adapter.name} is not loaded on any replica; call "
-                              "ensure_adapter first")
+            state = "was retired" if adapter.name in self._retired else \
+                "is not loaded on any replica"
+            raise PolicyError(f"{adapter.name} {state}; call ensure_adapter first (sampling "
+                              "never loads an adapter by itself)")
         return serving
 
     # -- sampling ------------------------------------------------------------------------------
@@ -282,7 +314,7 @@ class VLLMPolicy:
                          adapter: AdapterRef | None) -> tuple[dict[str, Any], _Replica]:
         tried: set[_Replica] = set()
         try:
-            async for attempt in self._retrying():
+            async for attempt in self._retrying(_sampling_retryable):
                 with attempt:
                     pool = [r for r in candidates if adapter is None or adapter.name in r.adapters]
                     if not pool:
@@ -328,9 +360,11 @@ class VLLMPolicy:
                        extra={**c.extra, "cut_at_json_end": len(c.token_ids) - lo})
 
     # -- transport -----------------------------------------------------------------------------
-    def _retrying(self) -> AsyncRetrying:
+    def _retrying(self, retryable: Any = _replica_retryable,
+                  attempts: int | None = None) -> AsyncRetrying:
         return AsyncRetrying(
-            retry=retry_if_exception(is_retryable), stop=stop_after_attempt(self._max_retries + 1),
+            retry=retry_if_exception(retryable),
+            stop=stop_after_attempt(attempts or self._max_retries + 1),
             # exponential backoff with jitter, spelled portably across tenacity 8 and 9
             wait=wait_exponential(multiplier=self._backoff_s, max=self._backoff_s * 16)
             + wait_random(0, self._backoff_s),
@@ -347,13 +381,16 @@ class VLLMPolicy:
 
     async def _call_retrying(self, r: _Replica, method: str, path: str,
                              body: dict[str, Any] | None = None) -> Any:
-        """One replica, with retries: fan-out operations must reach this replica, not another."""
+        """One replica, with retries: fan-out operations must reach this replica, not another.
+        A benched replica gets one attempt: it is down until it proves otherwise."""
+        attempts = 1 if r.down_until > time.monotonic() else None
         try:
-            async for attempt in self._retrying():
+            async for attempt in self._retrying(attempts=attempts):
                 with attempt:
                     return await self._call(r, method, path, body)
         except httpx.TransportError as e:
-            raise PolicyError(f"replica {r.url} unreachable for {method} {path}: {e!r}") from e
+            raise ReplicaUnavailable(f"replica {r.url} unreachable for {method} {path}: {e!r}"
+                                     ) from e
         raise AssertionError("unreachable: tenacity re-raises the last error")
 
     async def _call(self, r: _Replica, method: str, path: str,
@@ -368,9 +405,15 @@ class VLLMPolicy:
         finally:
             r.in_flight -= 1
         if resp.status_code >= 400:
-            if is_retryable(resp):
+            message = error_message(resp)
+            kind = classify(path, resp.status_code, message)
+            if kind == "dead":
+                r.down_until = time.monotonic() + self._cooldown_s
+                log.error("%s: vLLM engine is dead (%s); benched until restarted", r.url,
+                          message)
+            elif kind == "transient":
                 self._mark_failure(r)
-            raise VLLMError(r.url, resp.status_code, _error_message(resp))
+            raise VLLMError(r.url, resp.status_code, message, kind)
         r.failures = 0
         try:
             return resp.json()
@@ -427,6 +470,34 @@ def _completion(choice: dict[str, Any], prompt_ids: list[int], adapter: str | No
                "stop_reason": choice.get("stop_reason")})
 
 
+async def served_versions(base_urls: Sequence[str], policy_name: str, *,
+                          timeout_s: float = 10.0, api_key: str | None = None,
+                          transport: httpx.AsyncBaseTransport | None = None) -> set[int]:
+    """Versions of `policy_name` that any replica still lists in `/v1/models`. vLLM reads a
+    listed adapter's directory again whenever it falls out of `--max-cpu-loras`, so none of
+    these may be deleted. Raises PolicyError when a replica cannot be asked: then nothing
+    may be deleted."""
+    pattern = re.compile(rf"^{re.escape(policy_name)}@v(\d+)$")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(transport=transport, timeout=timeout_s,
+                                 headers=headers) as client:
+        async def listing(url: str) -> list[str]:
+            try:
+                resp = await client.get(url.rstrip("/") + "/v1/models")
+            except httpx.TransportError as e:
+                raise PolicyError(f"replica {url} unreachable for GET /v1/models: {e!r}") from e
+            if resp.status_code >= 400:
+                raise VLLMError(url, resp.status_code, error_message(resp))
+            return [str(card["id"]) for card in resp.json().get("data", [])]
+
+        names = await _fan_out([listing(url) for url in base_urls])
+    return {int(m.group(1)) for listed in names for name in listed if (m := pattern.match(name))}
+
+
+async def _raise(e: BaseException) -> None:
+    raise e
+
+
 async def _fan_out(calls: Sequence[Awaitable[T]]) -> list[T]:
     """Run every call to the end (no replica is left half-done); raise all failures together."""
     results = await asyncio.gather(*calls, return_exceptions=True)
@@ -436,6 +507,11 @@ async def _fan_out(calls: Sequence[Awaitable[T]]) -> list[T]:
             raise e  # cancellation and friends
     if len(errors) == 1:
         raise errors[0]
+    if errors and all(isinstance(e, AdapterLoadError) for e in errors):
+        first = errors[0]
+        assert isinstance(first, AdapterLoadError)
+        first.others = [e for e in errors[1:] if isinstance(e, AdapterLoadError)]
+        raise first
     if errors:
         raise PolicyError("; ".join(str(e) for e in errors)) from errors[0]
     return [r for r in results if not isinstance(r, BaseException)]

@@ -166,6 +166,10 @@ def _stop_orphans(run: dict[str, Any]) -> None:
             stop_pid(int(child), 15)
     if run.get("broker_pid"):
         stop_pid(int(run["broker_pid"]), 10, signal.SIGINT)
+    if run.get("vllm_pid"):
+        from flywheel.runtime.vllm import stop_group
+
+        stop_group(int(run["vllm_pid"]), grace_s=5)  # its own process group
     if run.get("postgres_data"):
         LocalPostgres(Path(run["postgres_data"]), 0).stop()
     home = run.get("home")

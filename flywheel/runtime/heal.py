@@ -251,6 +251,8 @@ def report(stack: Stack) -> dict[str, Any]:
         "topics": s.topics.model_dump(), "tokens": s.api.tokens,
         "pids": {x.name: x.pid for x in stack.services if x.pid},
         "broker_pid": stack.broker.pid if stack.broker else None,
+        "vllm_url": stack.vllm.url if stack.vllm else None,
+        "vllm_pid": stack.vllm.proc.pid if stack.vllm and stack.vllm.proc else None,
         "postgres_data": str(stack.postgres.data_dir) if stack.postgres else None,
         "logs": str(stack.logs), "home": str(stack.home),
         "components": components(stack),

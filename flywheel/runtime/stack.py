@@ -13,7 +13,10 @@ as a child process (ingest, miner, …, outbox relay, API). It keeps all of it r
   may have taken with it — outbox events, stored but unmined trajectories — is republished
   (`recovery`); trajectories it held that ingest had not stored are lost, and reported;
 * past `stack.broker_max_rss_mb` the broker is drained and replaced (it deletes nothing);
-* every log under `<home>/logs` is rotated by size (`logs`).
+* every log under `<home>/logs` is rotated by size (`logs`);
+* with the `vllm` engine and no replica configured, a local vLLM server (given by the
+  caller, built by `flywheel.policy.vllm_flags`) is started first and the services are
+  pointed at it; it is stopped last.
 
 `<home>/run.json` (mode 0600) is its report: where everything is, and per component its
 state, pid, restarts and last error; `flywheel status` and the API read it. SIGUSR1 asks
@@ -61,13 +64,15 @@ from flywheel.runtime.supervise import (
     reap_orphans,
     run_sync,
 )
+from flywheel.runtime.vllm import VLLMServer
 
 log = logging.getLogger("flywheel.up")
 
 
 class Stack:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, vllm: VLLMServer | None = None) -> None:
         self.settings = settings
+        self.vllm = vllm
         self.home = settings.home.resolve()
         self.logs = self.home / "logs"
         cap = settings.stack.restart_backoff_max_s
@@ -113,9 +118,15 @@ class Stack:
         if not kafka.bootstrap:
             self.broker = LocalBroker(kafka.local_port, self.logs / "broker.log")
             kafka = kafka.model_copy(update={"bootstrap": self.broker.bootstrap})
+        rollout = s.rollout
+        if self.vllm is not None and self.vllm.proc is None:
+            self.vllm.start()
+            log.info("vLLM healthy at %s after %.0fs", self.vllm.url, self.vllm.wait_healthy())
+        if self.vllm is not None:
+            rollout = rollout.model_copy(update={"vllm_urls": [self.vllm.url]})
         api = s.api.model_copy(update={"tokens": load_or_make_tokens(s)})
         self.settings = s.model_copy(update={"kafka": kafka, "db": db, "api": api,
-                                             "home": self.home})
+                                             "rollout": rollout, "home": self.home})
         if self.broker is not None:
             start_broker(self, previous)
         else:
@@ -271,6 +282,8 @@ class Stack:
             t.start()
         for t in threads:
             t.join()
+        if self.vllm is not None:
+            self.vllm.stop()
         if self.broker is not None:
             self.broker.stop()
         if self.postgres is not None:

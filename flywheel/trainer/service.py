@@ -371,16 +371,36 @@ class TrainerService:
         return version
 
     async def _retain(self) -> None:
-        """Delete old versions beyond `keep_versions`, never one a rollout still needs."""
+        """Delete old versions beyond `keep_versions`, never one a rollout still needs nor
+        one a vLLM replica still lists (it reads the directory again after an eviction)."""
         async with self.engine.connect() as conn:
             in_use = await registry.versions_in_use(conn, self.policy)
-        deleted = await asyncio.to_thread(self.store.retain, self.policy,
-                                          self.settings.trainer.keep_versions, in_use)
-        if deleted:
-            log.info("retention removed %s@v%s", self.policy, deleted)
+        served = await self._served_versions()
+        if served is not None:
+            deleted = await asyncio.to_thread(self.store.retain, self.policy,
+                                              self.settings.trainer.keep_versions,
+                                              in_use | served)
+            if deleted:
+                log.info("retention removed %s@v%s", self.policy, deleted)
         leftovers = await asyncio.to_thread(self.store.gc_temp, self.policy)
         if leftovers:
             log.info("removed %d leftovers of crashed publishes", len(leftovers))
+
+    async def _served_versions(self) -> set[int] | None:
+        """Versions the vLLM replicas list (empty with the local engine); None when a replica
+        cannot be asked, so that nothing is deleted blind."""
+        r = self.settings.rollout
+        if r.engine != "vllm":
+            return set()
+        from flywheel.policy.base import PolicyError
+        from flywheel.policy.vllm import served_versions
+
+        try:
+            return await served_versions(r.vllm_urls, self.policy)
+        except PolicyError as err:
+            log.warning("retention skipped this time: cannot tell which versions the vLLM "
+                        "replicas still serve (%s)", err)
+            return None
 
     def keepalive(self) -> None:
         """Under torchrun: an idle trainer still talks to its followers within the process
