@@ -106,7 +106,17 @@ class TrainerSettings(BaseModel):
     group_id: str = "flywheel-trainer"
     """Consumer group of the trainer (one member: one trainer per policy)."""
     publish_every: int = Field(default=2, ge=1)
-    """Optimizer steps per published adapter version."""
+    """Optimizer steps per published adapter version. Every version is sampled by the
+    rollout workers (they stay on-policy); only some are proposed to the gate."""
+    propose_min_groups: int = Field(default=16, ge=0)
+    """A GRPO version is proposed to the gate (status `candidate`) only after at least this
+    many groups were trained since the last proposed version, and only while no earlier
+    candidate still waits for the gate; other versions are published as `snapshot`s that
+    rollouts sample and the gate skips. So the gate is never flooded with near-identical
+    versions, evaluates every candidate it is given, and each one carries all the training
+    done while the previous one was evaluated. 0: propose every version (the gate still
+    evaluates only the newest, `gate.skip_superseded`). The SFT warm start is always
+    proposed."""
     lr: float = 2e-4
     """AdamW learning rate of the LoRA parameters."""
     grad_clip: float = 1.0
@@ -163,8 +173,9 @@ class TrainerSettings(BaseModel):
     sft_max_demos: int = 2000
     """Most demonstrations read for the warm start."""
     baseline_wait_s: float = 900.0
-    """How long the first training waits for the gate's baseline before going on with GRPO
-    (said in the trainer's status)."""
+    """How long the first training waits for the gate's baseline to appear. While the gate
+    reports a baseline in progress it keeps waiting past this; after it, with no baseline
+    and none in progress, it starts GRPO from the base model and says so (log, status)."""
 
 
 class GateSettings(BaseModel):

@@ -176,10 +176,14 @@ class AdapterTrainedPayload(_Payload):
     """Groups trained into this version since its parent (ids are in the manifest)."""
     stale_dropped: int
     metrics: dict[str, float]
+    gate: bool = True
+    """Proposed to the gate (status `candidate`). False: a snapshot (status `snapshot`) that
+    rollouts sample so they stay on-policy, published while a candidate awaits the gate or
+    before enough new training to be worth evaluating (`trainer.propose_min_groups`)."""
 
 
 class AdapterTrained(_Event):
-    """A new immutable adapter version was published (the gate evaluates it)."""
+    """A new immutable adapter version was published (the gate evaluates it when `gate`)."""
 
     type: Literal["AdapterTrained"] = "AdapterTrained"
     payload: AdapterTrainedPayload

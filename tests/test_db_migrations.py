@@ -32,4 +32,4 @@ async def test_upgrade_head_on_empty_database_then_no_drift(postgres: LocalPostg
                       "failures", "session_successes", "tasks", "task_sources", "eval_sets",
                       "eval_set_tasks", "task_stats", "rollout_requests", "rollout_groups",
                       "adapter_versions", "trainer_status", "evaluations", "production",
-                      "serving_state", "eval_runs", "baselines"}
+                      "serving_state", "eval_runs", "baselines", "gate_status"}

@@ -7,8 +7,14 @@ import math
 import pytest
 
 from flywheel.config import GateSettings
-from flywheel.gate.power import ASSUMED_DISCORDANCE, between_sample_discordance, mde, \
-    pairs_needed, report, z_of
+from flywheel.gate.power import (
+    ASSUMED_DISCORDANCE,
+    between_sample_discordance,
+    mde,
+    pairs_needed,
+    report,
+    z_of,
+)
 
 SEQ = GateSettings(min_gain=0.05, alpha=0.05, power=0.8, futility=0.1)  # sequential
 FIXED = SEQ.model_copy(update={"test": "mcnemar"})

@@ -75,8 +75,8 @@ def _runs(rounds: list[tuple[int, int, int]], n_tasks: int = 10, s: int = 2
     """Candidate and production runs whose pairs give exactly `rounds` (wins, losses, ties)
     per round, spread over the tasks in order."""
     cand, base = [], []
-    for r, (w, l, t) in enumerate(rounds):
-        kinds = ["w"] * w + ["l"] * l + ["t"] * t
+    for r, (w, lost, t) in enumerate(rounds):
+        kinds = ["w"] * w + ["l"] * lost + ["t"] * t
         assert len(kinds) == n_tasks * s
         for i, kind in enumerate(kinds):
             task, index = f"t{i % n_tasks}", r * s + i // n_tasks

@@ -29,7 +29,8 @@ from flywheel.config import Settings
 
 TRAINER_STATES = ("absent", "starting", "waiting", "training", "starved", "stalled",
                   "stopped", "down")
-ADAPTER_STATUSES = ("candidate", "evaluated", "promoted", "rejected", "rolled_back")
+ADAPTER_STATUSES = ("candidate", "snapshot", "evaluated", "promoted", "rejected",
+                    "rolled_back")
 TRAINER_STEP_METRICS = {
     "loss": ("flywheel_trainer_loss", "GRPO loss of the trainer's last optimizer step."),
     "reward_mean": ("flywheel_trainer_reward_mean",

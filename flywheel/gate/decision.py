@@ -50,6 +50,15 @@ class EvalRun:
                    attempts=[Attempt(**a) for a in data["attempts"]],
                    not_run=data["not_run"])
 
+    @classmethod
+    def combine(cls, rounds: Sequence[EvalRun]) -> EvalRun:
+        """Rounds of one side as one run (their attempts have distinct sample indices)."""
+        if not rounds:
+            raise ValueError("no rounds to combine")
+        return cls(version=rounds[0].version, task_groups=rounds[0].task_groups,
+                   attempts=[a for r in rounds for a in r.attempts],
+                   not_run=sum(r.not_run for r in rounds))
+
 
 Rule = GateSettings
 """The decision rule's thresholds are the gate settings (`min_gain`, `alpha`, `test`, the
@@ -130,7 +139,7 @@ def exact_mcnemar(wins: int, losses: int) -> float:
     n = wins + losses
     if n == 0:
         return 1.0
-    return sum(math.comb(n, i) for i in range(wins, n + 1)) / 2 ** n
+    return float(sum(math.comb(n, i) for i in range(wins, n + 1)) / 2 ** n)
 
 
 def round_counts(cand: EvalRun, base: EvalRun, round_samples: int) -> list[sequential.Counts]:
@@ -251,6 +260,19 @@ def decide(cand: EvalRun, base: EvalRun, rule: Rule,
 _THRESHOLDS = ("min_gain", "alpha", "power", "futility", "invalid_tolerance",
                "unsafe_tolerance", "reward_tolerance", "latency_p95_ratio", "tokens_ratio",
                "group_tolerance", "group_min_samples", "samples_per_task", "round_samples")
+
+
+def latency_probe(probes: Sequence[tuple[list[float], list[float]]]) -> LatencyProbe | None:
+    """The paired probes of an evaluation (candidate ms, production ms per probe); None when
+    no probe has attempts on both sides."""
+    paired = [(c, b) for c, b in probes if c and b]
+    if not paired:
+        return None
+    cand = [x for c, _ in paired for x in c]
+    base = [x for _, b in paired for x in b]
+    return LatencyProbe(pairs=len(paired), candidate_p95_ms=_p95(cand),
+                        production_p95_ms=_p95(base), candidate_mean_ms=statistics.fmean(cand),
+                        production_mean_ms=statistics.fmean(base))
 
 
 def _latency(mc: GateMetrics, mb: GateMetrics, probe: LatencyProbe | None,
