@@ -231,7 +231,7 @@ class TrainerService:
     def _decided(self, note: str, *, loud: bool = False) -> None:
         """A warm-start decision, in the log and kept in the status."""
         (log.warning if loud else log.info)("%s", note)
-        self.status.note = note
+        self.status.note, self.status.detail = note, None
 
     async def _sft(self, demos: list[Demonstration]) -> None:
         from flywheel.trainer.sft import sft_batches
