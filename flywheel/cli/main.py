@@ -113,12 +113,21 @@ def status(as_json: JsonOpt = False) -> None:
         return
     from rich.table import Table
 
+    from flywheel.cli.review import gate_lines
+
     table = Table(title="flywheel status", show_header=False)
     for key in ("trajectories", "failures", "dlq", "outbox_pending", "events"):
         table.add_row(key, str(data[key]))
     for group, lag in data["lag"].items():
         table.add_row(f"lag {group}", str(lag["total"]))
+    trainer = data["trainer"]
+    table.add_row("trainer", f"{trainer['state']}" + (f": {trainer['detail']}"
+                                                       if trainer["detail"] else ""))
+    for key, value in gate_lines(data["gate"]):
+        table.add_row(key, value)
     Console().print(table)
+    if data["gate"]["warning"]:
+        console.print(f"[yellow]warning:[/yellow] {data['gate']['warning']}")
 
 
 @app.command()
@@ -227,15 +236,32 @@ def tasks_show(task_id: str, as_json: JsonOpt = False) -> None:
 
 @evalset_app.command("freeze")
 def evalset_freeze(as_json: JsonOpt = False) -> None:
-    """Freeze today's holdout tasks as the next eval-set version (immutable)."""
+    """Freeze today's holdout tasks as the next eval-set version (immutable), and report
+    what the gate can see on it: the minimum detectable gain at its budget."""
+    from flywheel.cli.review import power_line
+    from flywheel.gate.evaluate import load_holdout
+    from flywheel.gate.progress import eval_set_power, write_power
     from flywheel.mining.store import freeze_eval_set
 
-    topics = _settings().topics
-    version, count = _db_call(lambda conn: freeze_eval_set(conn, topics))
+    settings = _settings()
+
+    async def go(conn: Any) -> Any:
+        version, count = await freeze_eval_set(conn, settings.topics)
+        holdout = await load_holdout(conn, settings.gate.max_tasks, settings.rollout.envs)
+        found = await eval_set_power(conn, settings, holdout)
+        await write_power(conn, settings.policy, found)
+        return version, count, found
+
+    version, count, found = _db_call(go)
     if as_json:
-        print(json.dumps({"version": version, "tasks": count}))
-    else:
-        console.print(f"eval set v{version} frozen with {count} holdout tasks")
+        print(json.dumps({"version": version, "tasks": count,
+                          "power": found.model_dump(mode="json")}, sort_keys=True))
+        return
+    console.print(f"eval set v{version} frozen with {count} holdout tasks "
+                  f"({found.tasks} in this policy's environments)")
+    console.print(f"MDE {power_line(found.model_dump(mode='json'))}")
+    if found.warning:
+        console.print(f"[yellow]warning:[/yellow] {found.warning}")
 
 
 @verify_app.command("check")

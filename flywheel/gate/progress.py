@@ -17,7 +17,11 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from flywheel.adapters import registry
+from flywheel.config import Settings
 from flywheel.events import GatePower
+from flywheel.gate import power
+from flywheel.gate.evaluate import Holdout, production_samples
 
 log = logging.getLogger("flywheel.gate")
 HEARTBEAT_S = 5.0
@@ -57,6 +61,26 @@ async def write_power(conn: AsyncConnection, policy: str, power: GatePower) -> N
         VALUES (:p, 'idle', now(), CAST(:w AS jsonb))
         ON CONFLICT (policy) DO UPDATE SET power = CAST(:w AS jsonb)"""),
         {"p": policy, "w": power.model_dump_json()})
+
+
+async def eval_set_power(conn: AsyncConnection, settings: Settings, holdout: Holdout
+                         ) -> GatePower:
+    """What `holdout` can see at the gate's budget, from production's cached samples on it
+    — or, before it has any there, on the newest eval set it has some (a property of the
+    model more than of the tasks) — else from the assumed bound."""
+    production = await registry.production_version(conn, settings.policy)
+    found = await production_samples(conn, settings.policy, production,
+                                     holdout.eval_set_version) \
+        or await production_samples(conn, settings.policy, production)
+    pd = success = None
+    source = ""
+    if found is not None:
+        by_task, source = found
+        pd = power.between_sample_discordance(by_task.values())
+        flat = [x for v in by_task.values() for x in v]
+        success = sum(flat) / len(flat) if flat else None
+    return power.report(settings.gate, tasks=len(holdout.tasks), discordance=pd,
+                        source=source, production_success=success)
 
 
 class Progress:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 import uuid
 from typing import Any
 
@@ -22,7 +21,7 @@ from flywheel.adapters import lifecycle, registry
 from flywheel.adapters.resolver import AdapterResolver
 from flywheel.config import Settings
 from flywheel.events import AdapterEvaluatedPayload, AdapterTrainedPayload, Event, LatencyProbe
-from flywheel.gate import power, sequential
+from flywheel.gate import sequential
 from flywheel.gate.decision import EvalRun, decide, latency_probe, round_counts
 from flywheel.gate.evaluate import (
     Holdout,
@@ -30,12 +29,11 @@ from flywheel.gate.evaluate import (
     evaluate,
     load_holdout,
     probe_latency,
-    production_samples,
     round_key,
     run_key,
     store_run,
 )
-from flywheel.gate.progress import Progress
+from flywheel.gate.progress import Progress, eval_set_power
 from flywheel.policy.base import AdapterRef, Policy
 
 log = logging.getLogger("flywheel.gate")
@@ -109,19 +107,8 @@ class GateService:
     async def refresh_power(self, holdout: Holdout) -> None:
         """Recompute what the eval set can see from production's cached samples on it."""
         async with self.engine.connect() as conn:
-            production = await registry.production_version(conn, self.name)
-            found = await production_samples(conn, self.name, production,
-                                             holdout.eval_set_version)
-        pd = success = None
-        source = ""
-        if found is not None:
-            by_task, source = found
-            pd = power.between_sample_discordance(by_task.values())
-            flat = [x for v in by_task.values() for x in v]
-            success = statistics.fmean(flat) if flat else None
-        await self.progress.power(power.report(
-            self.settings.gate, tasks=len(holdout.tasks), discordance=pd, source=source,
-            production_success=success))
+            found = await eval_set_power(conn, self.settings, holdout)
+        await self.progress.power(found)
 
     async def _status(self, version: int) -> tuple[str | None, int | None]:
         async with self.engine.connect() as conn:
