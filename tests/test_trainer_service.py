@@ -143,7 +143,7 @@ async def test_baseline_wait_outlasts_its_deadline_while_one_is_in_progress(
     await _gate_row(engine, "baseline", age_s=600)
     assert await asyncio.wait_for(service._wait_for_baseline(), 10) is None
     await service.warm_start()  # no baseline: GRPO from the base model, and it says so
-    state, detail = service.watch()
+    _, detail = service.watch()
     assert "no baseline after 0s and none in progress" in (detail or "")
     await engine.dispose()
 

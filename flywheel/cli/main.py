@@ -331,13 +331,22 @@ def bench_learning(
     sft_steps: Annotated[int, typer.Option(
         help="SFT warm-start steps before GRPO, on demonstrations of other requests.")] = 0,
     max_tokens: Annotated[int, typer.Option(help="Most tokens per completion.")] = 32,
+    heldout_tasks: Annotated[int, typer.Option(
+        help="Requests never trained on, for GRPO's gain over its start.")] = 25,
+    heldout_samples: Annotated[int, typer.Option(
+        help="Samples per held-out request and side (tasks × samples ≥ 200).")] = 8,
     as_json: JsonOpt = False,
 ) -> None:
-    """Mean reward on fixed tasks: base policy [vs SFT] vs after K GRPO steps (local engine)."""
+    """Mean reward on fixed tasks: base policy [vs SFT] vs after K GRPO steps (local engine),
+    and GRPO's gain over its start on ≥ 200 held-out samples with 95% intervals."""
     from flywheel.bench.learning import run_learning
 
+    if heldout_tasks * heldout_samples < 200:
+        _fail(f"--heldout-tasks × --heldout-samples is {heldout_tasks * heldout_samples}: "
+              "use at least 200 held-out samples")
     result = run_learning(steps, tasks=tasks, lr=lr, sft_steps=sft_steps,
-                          max_tokens=max_tokens)
+                          max_tokens=max_tokens, heldout_tasks=heldout_tasks,
+                          heldout_samples=heldout_samples)
     print_result(result, as_json)
 
 
