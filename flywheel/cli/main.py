@@ -391,7 +391,7 @@ def bench_trainer(
 
 @app.command()
 def demo(keep: Annotated[bool, typer.Option(help="Leave the stack running afterwards.")] = False,
-         minutes: Annotated[float, typer.Option(help="Time budget of the whole demo.")] = 18.0,
+         minutes: Annotated[float, typer.Option(help="Time budget of the whole demo.")] = 20.0,
          ) -> None:
     """The whole loop on the embedded default: trajectories → tasks → baseline → SFT/GRPO →
     gate → promotion decisions; writes .flywheel/demo-summary.json."""

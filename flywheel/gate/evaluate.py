@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -127,10 +127,11 @@ async def evaluate(policy: Policy, holdout: Holdout, adapter: AdapterRef | None,
 async def probe_latency(policy: Policy, task: TaskSpec, candidate: AdapterRef | None,
                         production: AdapterRef | None, settings: Settings, round_: int
                         ) -> tuple[list[float], list[float]]:
-    """Latencies (ms) of one task sampled on both sides back to back with the same seed,
-    the side that goes first alternating by round: whatever else loads the machine then
-    slows both alike. (candidate attempts, production attempts)."""
-    cfg, seed = _config(settings), round_seed(settings, task, round_)
+    """Latencies (ms) of one attempt at `task` on each side, back to back with the same
+    seed, the side that goes first alternating by round: whatever else loads the machine
+    then slows both alike. (candidate attempts, production attempts)."""
+    cfg = replace(_config(settings), group_size=1)
+    seed = round_seed(settings, task, round_)
     env = load_environment(task.env)
     sides = [(candidate, 0), (production, 1)]
     found: list[list[float]] = [[], []]
