@@ -163,7 +163,7 @@ async def production_samples(conn: AsyncConnection, policy: str, version: int | 
     (None) on the newest eval set it has any on — and where they came from, in words; the
     run with the most cached rounds if several configurations were evaluated."""
     rows = (await conn.execute(text("""SELECT key, eval_set_version, result FROM eval_runs
-        WHERE policy = :p AND version IS NOT DISTINCT FROM :v
+        WHERE policy = :p AND version IS NOT DISTINCT FROM CAST(:v AS int)
           AND (CAST(:e AS int) IS NULL OR eval_set_version = :e)
         ORDER BY eval_set_version DESC"""),
         {"p": policy, "v": version, "e": eval_set_version})).all()

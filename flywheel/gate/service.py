@@ -10,6 +10,7 @@ The sequential test looks after every round and stops at a clear outcome; progre
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import uuid
@@ -45,6 +46,9 @@ class GateService:
         self.name = settings.policy
         self.adapters = AdapterResolver(engine, settings)
         self.progress = Progress(engine, self.name)
+        # One activity at a time (a baseline, an evaluation): they share the policy engine
+        # and the one status row.
+        self.busy = asyncio.Lock()
 
     async def _adapter(self, version: int | None) -> AdapterRef | None:
         adapter = await self.adapters(version)
@@ -87,7 +91,7 @@ class GateService:
             return None
         rounds = min(g.max_rounds, math.ceil(g.baseline_samples_per_task / g.round_samples))
         sides = 1 + (production is not None)
-        async with self.progress.activity(
+        async with self.busy, self.progress.activity(
                 "baseline", eval_set_version=holdout.eval_set_version, rounds_planned=rounds,
                 samples_planned=rounds * g.round_samples * len(holdout.tasks) * sides,
                 detail=f"measuring the base model on eval set v{holdout.eval_set_version} "
@@ -174,7 +178,7 @@ class GateService:
         cand: list[EvalRun] = []
         base: list[EvalRun] = []
         probes: list[tuple[list[float], list[float]]] = []
-        async with self.progress.activity(
+        async with self.busy, self.progress.activity(
                 "evaluating", version=version, baseline_version=production,
                 eval_set_version=holdout.eval_set_version, rounds_planned=g.max_rounds,
                 samples_planned=g.max_rounds * g.round_samples * n,
