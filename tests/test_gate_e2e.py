@@ -112,7 +112,8 @@ async def test_gate_promotes_waits_for_approval_rolls_back_and_replays(
         runs = await wait_for(pg_dsn, "SELECT count(*) FROM eval_runs", 2, timeout=5)
         assert runs == 2  # base model (the baseline's round) and candidate, cached per round
         assert await wait_for(pg_dsn, "SELECT count(*) FROM gate_status WHERE state = 'idle' "
-                              "AND power IS NOT NULL", 1, timeout=120) == 1
+                              "AND power IS NOT NULL", 1, timeout=120) == 1, \
+            (tmp_path / "gate.log").read_text()[-3000:]
         async with engine.connect() as conn:
             gate = await registry.gate_activity(conn, s.policy)
         assert gate is not None and gate["power"]["tasks"] == 3

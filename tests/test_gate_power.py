@@ -63,6 +63,9 @@ def test_pairs_needed_inverts_the_mde() -> None:
     # Fixed design: the test binds: x = 0.1/((1.644854 + 0.841621)·0.5) = 0.080435 →
     # N = 154.6 → 155 (the floor only needs (0.05/(0.841621·0.5))⁻² = 70.8).
     assert pairs_needed(0.25, FIXED) == 155
+    # A rule that always passes (alpha ≥ 1, as tests use to force a promotion) still has an
+    # answer: only the noise term, (0.05/(1.220640·0.5))⁻² = 148.996 → 149.
+    assert pairs_needed(0.25, SEQ.model_copy(update={"alpha": 1.01})) == 149
 
 
 def test_between_sample_discordance_is_unbiased_per_task() -> None:

@@ -108,7 +108,8 @@ DEMO_ENV = {
     # (30% of the mined tasks) × a budget of k = 32 is 480 pairs, an MDE of 0.07–0.09 at
     # the discordance of a GRPO version against its SFT parent with shared seeds
     # (0.10–0.25); 10 tasks × k = 4 (the old setting) could only see gains of 0.19–0.38.
-    # The sequential test stops after 2–5 rounds of 30 pairs when a gain is clear.
+    # Simulated on this shape, a gain of 0.10 is promoted 89–96% of the time after 4–7
+    # rounds of 30 pairs; a candidate no better than production stops after 3–5.
     "FLYWHEEL_MINER__HOLDOUT_FRACTION": "0.3",
     "FLYWHEEL_GATE__SAMPLES_PER_TASK": "32",
     "FLYWHEEL_GATE__ROUND_SAMPLES": "2",

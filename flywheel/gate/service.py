@@ -109,10 +109,14 @@ class GateService:
         return record
 
     async def refresh_power(self, holdout: Holdout) -> None:
-        """Recompute what the eval set can see from production's cached samples on it."""
-        async with self.engine.connect() as conn:
-            found = await eval_set_power(conn, self.settings, holdout)
-        await self.progress.power(found)
+        """Recompute what the eval set can see from production's cached samples on it.
+        A failure here is logged, never raised: reporting must not hold up a decision."""
+        try:
+            async with self.engine.connect() as conn:
+                found = await eval_set_power(conn, self.settings, holdout)
+            await self.progress.power(found)
+        except Exception as err:
+            log.warning("could not update the eval set's power record: %s", err)
 
     async def _status(self, version: int) -> tuple[str | None, int | None]:
         async with self.engine.connect() as conn:
