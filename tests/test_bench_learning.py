@@ -17,6 +17,7 @@ def test_paired_gain_counts_pairs_and_brackets_the_gain() -> None:
              (1, 1): (False, 0.0), (9, 9): (True, 1.0)}  # (9, 9): no pair, left out
     g = paired_gain(before, after, resamples=2000)
     assert (g["pairs"], g["tasks"], g["pairs_gained"], g["pairs_lost"]) == (8, 4, 3, 1)
+    assert g["discordance"] == 0.5
     assert g["gain_exact_success"] == 0.25 and g["gain_mean_reward"] == 0.25
     lo, hi = g["gain_exact_success_ci95"]
     # Resampling tasks: the per-task gains are 1, 0, 0, 0 → means in {0, .25, .5, .75, 1}.

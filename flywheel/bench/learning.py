@@ -104,6 +104,8 @@ def paired_gain(before: Outcomes, after: Outcomes, *, resamples: int = 4000,
     draws = [[rows[rng.randrange(len(rows))] for _ in rows] for _ in range(resamples)]
     out: dict[str, Any] = {"pairs": len(keys), "tasks": len(tasks), "pairs_gained": gained,
                            "pairs_lost": lost,
+                           # With shared seeds: what the gate's MDE uses (flywheel.gate.power).
+                           "discordance": round((gained + lost) / len(keys), 4),
                            "mcnemar_p_two_sided": min(1.0, 2 * min(
                                exact_mcnemar(gained, lost), exact_mcnemar(lost, gained)))}
     for j, name in ((0, "exact_success"), (1, "mean_reward")):

@@ -31,6 +31,7 @@ from flywheel.config import Settings
 from flywheel.db.outbox import append_events
 from flywheel.events import AdapterTrained, AdapterTrainedPayload, GroupScored, parse_event
 from flywheel.trainer import store
+from flywheel.trainer.baseline_wait import wait_for_baseline
 from flywheel.trainer.grpo import GRPOConfig
 
 if TYPE_CHECKING:  # torch stays lazy: these import it
@@ -200,33 +201,11 @@ class TrainerService:
         return await self.publish(None, stage="sft", demos=len(demos))
 
     async def _wait_for_baseline(self) -> dict[str, Any] | None:
-        """The baseline, once the gate recorded it; waits `baseline_wait_s` for one to
-        appear, and past that for as long as the gate reports one in progress."""
-        t = self.settings.trainer
-        started = time.monotonic()
-        log.info("waiting for the gate's baseline on the frozen holdout (up to %.0fs, longer "
-                 "while one is in progress)", t.baseline_wait_s)
-        while True:
-            async with self.engine.connect() as conn:
-                baseline = await registry.latest_baseline(conn, self.policy)
-                gate = await registry.gate_activity(conn, self.policy)
-            if baseline is not None:
-                return baseline
-            waited = time.monotonic() - started
-            busy = gate is not None and gate["state"] == "baseline"
-            if busy and gate is not None:
-                self.status.detail = (
-                    f"waiting for the gate's baseline, in progress for "
-                    f"{gate['elapsed_s'] or 0:.0f}s ({gate['samples_done']}/"
-                    f"{gate['samples_planned']} samples)")
-            elif waited >= t.baseline_wait_s:
-                return None
-            else:
-                self.status.detail = (
-                    f"waiting for the gate's baseline ({waited:.0f}s; none in progress yet"
-                    f"{'' if gate is None else ', gate ' + gate['state']}; gives up at "
-                    f"{t.baseline_wait_s:.0f}s)")
-            await asyncio.sleep(2.0)
+        def report(detail: str) -> None:
+            self.status.detail = detail
+
+        return await wait_for_baseline(self.engine, self.policy,
+                                       self.settings.trainer.baseline_wait_s, report)
 
     def _decided(self, note: str, *, loud: bool = False) -> None:
         """A warm-start decision, in the log and kept in the status."""
