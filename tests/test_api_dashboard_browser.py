@@ -170,7 +170,7 @@ async def test_operator_approves_and_rolls_back_from_the_dashboard(
             await expect(gate).to_contain_text("evaluating")
             await expect(gate).to_contain_text("v3 vs v1")
             await expect(page.get_by_test_id("gate-samples")).to_have_text("40 / 160")
-            await expect(page.get_by_test_id("gate-mde")).to_contain_text("+0.561")
+            await expect(page.get_by_test_id("gate-mde")).to_contain_text("+0.947")
             await expect(page.get_by_test_id("gate-warning")).to_contain_text(
                 "cannot see the gains it is asked to find")
             reward = page.locator('#reward-chart circle[data-testid="point"]')

@@ -180,12 +180,12 @@ async def test_metrics_exposition_matches_the_database(
     assert one("flywheel_last_evaluation_success_rate", side="candidate", version="2") == 1.0
     assert one("flywheel_last_evaluation_success_rate", side="production", version="1") == 0.75
     # The gate is evaluating v3 (40 of 160 samples, 90 s in) on an eval set it cannot see
-    # the design gain on (10 tasks × k = 4, nothing known: MDE 0.561).
+    # the design gain on (10 tasks × k = 4, nothing known: MDE 0.947).
     gate = {dict(k)["state"]: v for k, v in m["flywheel_gate_state"].items()}
     assert gate["evaluating"] == 1 and sum(gate.values()) == 1 and "down" in gate
     assert one("flywheel_gate_samples_done") == 40 and one("flywheel_gate_samples_planned") == 160
     assert 89 <= one("flywheel_gate_elapsed_seconds") < 120
-    assert abs(one("flywheel_gate_mde") - 0.560938) < 1e-5
+    assert abs(one("flywheel_gate_mde") - 0.947366) < 1e-5
     assert one("flywheel_gate_design_gain") == 0.1 and one("flywheel_gate_mde_warning") == 1
     assert one("flywheel_last_evaluation_samples") == 120  # v2: 30 tasks × 4
     assert 0 < one("flywheel_last_evaluation_mde") < 1

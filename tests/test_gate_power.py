@@ -44,14 +44,19 @@ def test_sequential_mde_hand_computed() -> None:
     # λp_d/2 + ln(20)/(λN) + z√(p_d/N) = 0.05 + 2.995732/160 + 1.220640·0.025
     #                                  = 0.05 + 0.018723 + 0.030516 = 0.099239.
     assert mde(400, 0.25, SEQ) == pytest.approx(0.099239, abs=1e-5)
-    # The demo's 40 pairs with nothing known (p_d assumed 0.5, bet 0.2):
-    # 0.05 + 2.995732/8 + 1.220640·√(0.5/40) = 0.05 + 0.374467 + 0.136472 = 0.560938.
-    assert mde(40, ASSUMED_DISCORDANCE, SEQ) == pytest.approx(0.560938, abs=1e-5)
-    # Low discordance (shared seeds, a near-identical candidate): the bet is capped at 0.9
-    # once p_d < d/0.9: 0.9·0.05/2 + 2.995732/(0.9·100) + 1.220640·√(0.05/100)
-    # = 0.0225 + 0.033286 + 0.027295 = 0.083081 (the floor 0.05 + 0.027295 is lower).
-    assert mde(100, 0.05, SEQ) == pytest.approx(0.083080, abs=1e-5)
-    assert mde(0, 0.25, SEQ) == 1.0 and mde(40, 0.0, SEQ) == 1.0
+    # A gain of Δ needs a discordance of at least Δ. The demo's 40 pairs with nothing known
+    # (p_d assumed 0.5, bet 0.2): 0.05 + 2.995732/8 + 1.220640·√(0.5/40) = 0.560938 > 0.5,
+    # so with p_d = Δ (bet 0.1/Δ) the MDE is the fixed point of
+    # Δ = 0.05 + (2.995732/4)·Δ + 1.220640·√(Δ/40): 0.947366
+    # (0.05 + 0.748933·0.947366 + 1.220640·0.153896 = 0.05 + 0.709513 + 0.187852).
+    assert mde(40, ASSUMED_DISCORDANCE, SEQ) == pytest.approx(0.947366, abs=1e-5)
+    # Low discordance (shared seeds, a near-identical candidate, or a production that never
+    # succeeds): the closed form at p_d = 0.05 would give 0.083081 > 0.05, so again p_d = Δ:
+    # Δ = 0.05 + 0.299573·Δ + 0.122064·√Δ → 0.135546
+    # (0.05 + 0.040606 + 0.044940).
+    assert mde(100, 0.05, SEQ) == pytest.approx(0.135546, abs=1e-5)
+    assert mde(100, 0.0, SEQ) == pytest.approx(0.135546, abs=1e-5)
+    assert mde(0, 0.25, SEQ) == 1.0
 
 
 def test_pairs_needed_inverts_the_mde() -> None:
@@ -81,7 +86,7 @@ def test_report_warns_when_the_eval_set_cannot_see_the_design_gain() -> None:
     r = report(demo, tasks=10, discordance=None, source="", production_success=None)
     assert r.pairs == 40 and r.discordance == ASSUMED_DISCORDANCE
     assert "assumed" in r.discordance_source
-    assert r.mde == pytest.approx(0.560938, abs=1e-5)
+    assert r.mde == pytest.approx(0.947366, abs=1e-5)
     assert r.warning is not None and "cannot see the gains it is asked to find" in r.warning
     assert "add holdout tasks or raise k" in r.warning
     # pairs_needed(0.5): 0.5 → bet 0.2, c = 14.978662, b = 0.863120, room 0.05:

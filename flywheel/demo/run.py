@@ -104,12 +104,13 @@ DEMO_ENV = {
     # mined into tasks (shown above), for a policy of their own — multi-step episodes with
     # long prompts cost minutes per group on a CPU.
     "FLYWHEEL_ROLLOUT__ENVS": '["tool_call"]',
-    # What the gate can see (docs/BENCHMARKS.md, "Gate"): ~15 tool_call holdout tasks
-    # (30% of the mined tasks) × a budget of k = 32 is 480 pairs, an MDE of 0.07–0.09 at
-    # the discordance of a GRPO version against its SFT parent with shared seeds
-    # (0.10–0.25); 10 tasks × k = 4 (the old setting) could only see gains of 0.19–0.38.
-    # Simulated on this shape, a gain of 0.10 is promoted 89–96% of the time after 4–7
-    # rounds of 30 pairs; a candidate no better than production stops after 3–5.
+    # What the gate can see (docs/BENCHMARKS.md, "Gate"): 11 tool_call holdout tasks (30%
+    # of the mined tasks; 10 at 20%) × a budget of k = 32 is 352 pairs, an MDE of
+    # 0.075–0.104 at the discordance of a GRPO version against its SFT parent with shared
+    # seeds (0.10–0.25); 10 tasks × k = 4 (the old setting, a fixed test) could only see
+    # gains of 0.16–0.22. Simulated on this shape (15 tasks), a gain of 0.10 is promoted
+    # 89–96% of the time after 4–7 rounds; a candidate no better than production stops
+    # after 3–5.
     "FLYWHEEL_MINER__HOLDOUT_FRACTION": "0.3",
     "FLYWHEEL_GATE__SAMPLES_PER_TASK": "32",
     "FLYWHEEL_GATE__ROUND_SAMPLES": "2",

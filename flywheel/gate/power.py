@@ -72,8 +72,25 @@ def _z_power(rule: GateSettings) -> float:
 
 def mde(pairs: int, discordance: float, rule: GateSettings) -> float:
     """Minimum detectable gain with `pairs` (task, sample) pairs at `discordance` under
-    `rule` (its test, alpha, power, min_gain and design gain). 1.0: nothing is detectable."""
-    if pairs <= 0 or discordance <= 0:
+    `rule` (its test, alpha, power, min_gain and design gain). 1.0: nothing is detectable.
+
+    A gain of Δ flips at least Δ of the pairs, so the discordance at the MDE is at least the
+    MDE: when `discordance` is lower (a production that never or always succeeds has none
+    of its own) the MDE is the fixed point Δ = _mde_at(max(discordance, Δ)), by bisection."""
+    if pairs <= 0:
+        return 1.0
+    found = _mde_at(pairs, discordance, rule)
+    if discordance >= found:
+        return found
+    lo, hi = 0.0, 1.0  # Δ − _mde_at(max(discordance, Δ)) rises with Δ
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if mid >= _mde_at(pairs, max(discordance, mid), rule) else (mid, hi)
+    return hi
+
+
+def _mde_at(pairs: int, discordance: float, rule: GateSettings) -> float:
+    if discordance <= 0:
         return 1.0
     z, pd, n = _z_power(rule), discordance, pairs
     noise = z * math.sqrt(pd / n)
@@ -87,8 +104,10 @@ def mde(pairs: int, discordance: float, rule: GateSettings) -> float:
 
 
 def pairs_needed(discordance: float, rule: GateSettings) -> int:
-    """The fewest pairs for an MDE at or below the design gain (the inverse of `mde`)."""
-    d, pd = rule.target_gain, max(discordance, 1e-9)
+    """The fewest pairs for an MDE at or below the design gain (the inverse of `mde`; a gain
+    of d means a discordance of at least d)."""
+    d = rule.target_gain
+    pd = max(discordance, d)
     b = _z_power(rule) * math.sqrt(pd)
     floor_room = d - max(rule.min_gain, 0.0)
     if floor_room <= 0:
