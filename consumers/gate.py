@@ -1,20 +1,25 @@
 """Gate: every new adapter version is evaluated against production before it can serve.
 
-Subscribes: `<prefix>.adapters` (`AdapterTrained`), group `gate.group_id`.
+Subscribes: `<prefix>.adapters` (`AdapterTrained` proposed to the gate; snapshots, with
+            `gate` false, are skipped), group `gate.group_id`.
 Writes:     `baselines` (the base model on each new eval set, once: the trainer reads the
-            recommended first stage), `eval_runs` (cached holdout runs), the lifecycle
-            projections (`evaluations`, `adapter_versions.status`, `production`), `events`
-            + `outbox`.
+            recommended first stage), `eval_runs` (every round of every side, cached),
+            `gate_status` (what it is doing, samples done / planned, the eval set's MDE),
+            the lifecycle projections (`evaluations`, `adapter_versions.status`,
+            `production`), `events` + `outbox`.
 Publishes (through the outbox): `AdapterEvaluated`, then in `auto` mode `AdapterPromoted` or
             `AdapterRejected` → `<prefix>.adapters`.
 
-Candidate and production sample the frozen holdout tasks of the newest eval set with the
-same seeds; the decision rule (flywheel.gate.decision) promotes only on a significant gain
-with no guard metric or task group regressing. The offset is acknowledged after the decision
-is committed; a redelivered `AdapterTrained` finds the version decided and does nothing.
-Waiting for an eval set and outages are retried with backoff; a message that cannot be gated
-(malformed, a broken lifecycle invariant, a bug) is parked (`dead_letters`, consumer
-`gate`, `RecordParked` → `<prefix>.parked`) and the version stays a candidate.
+Candidate and production sample the frozen holdout tasks of the newest eval set in rounds,
+with the same task, sample index and seed on both sides; after every round the sequential
+test (flywheel.gate.sequential) decides whether to stop, and the decision rule
+(flywheel.gate.decision) promotes only on a clear gain of at least min_gain with no guard
+metric or task group regressing. The offset is acknowledged after the decision is
+committed; a redelivered `AdapterTrained` finds the version decided and does nothing (an
+interrupted evaluation resumes from its cached rounds). Waiting for an eval set and outages
+are retried with backoff; a message that cannot be gated (malformed, a broken lifecycle
+invariant, a bug) is parked (`dead_letters`, consumer `gate`, `RecordParked` →
+`<prefix>.parked`) and the version stays a candidate.
 """
 
 from __future__ import annotations

@@ -134,7 +134,17 @@ class TrainerSettings(BaseModel):
     group_id: str = "flywheel-trainer"
     """Consumer group of the trainer (one member: one trainer per policy)."""
     publish_every: int = Field(default=2, ge=1)
-    """Optimizer steps per published adapter version."""
+    """Optimizer steps per published adapter version. Every version is sampled by the
+    rollout workers (they stay on-policy); only some are proposed to the gate."""
+    propose_min_groups: int = Field(default=16, ge=0)
+    """A GRPO version is proposed to the gate (status `candidate`) only after at least this
+    many groups were trained since the last proposed version, and only while no earlier
+    candidate still waits for the gate; other versions are published as `snapshot`s that
+    rollouts sample and the gate skips. So the gate is never flooded with near-identical
+    versions, evaluates every candidate it is given, and each one carries all the training
+    done while the previous one was evaluated. 0: propose every version (the gate still
+    evaluates only the newest, `gate.skip_superseded`). The SFT warm start is always
+    proposed."""
     lr: float = 2e-4
     """AdamW learning rate of the LoRA parameters."""
     grad_clip: float = 1.0
@@ -191,8 +201,9 @@ class TrainerSettings(BaseModel):
     sft_max_demos: int = 2000
     """Most demonstrations read for the warm start."""
     baseline_wait_s: float = 900.0
-    """How long the first training waits for the gate's baseline before going on with GRPO
-    (said in the trainer's status)."""
+    """How long the first training waits for the gate's baseline to appear. While the gate
+    reports a baseline in progress it keeps waiting past this; after it, with no baseline
+    and none in progress, it starts GRPO from the base model and says so (log, status)."""
 
 
 class GateSettings(BaseModel):
@@ -200,8 +211,15 @@ class GateSettings(BaseModel):
     """Consumer group of the gate (one member per policy)."""
     mode: Literal["auto", "manual"] = "auto"
     """`auto`: the gate promotes or rejects; `manual`: it recommends, an operator decides."""
-    samples_per_task: int = Field(default=4, ge=1)
-    """k: attempts per holdout task and side (same seeds for candidate and production)."""
+    samples_per_task: int = Field(default=16, ge=1)
+    """k, the budget: the most attempts per holdout task and side (same task, sample index
+    and seed on both sides). The sequential test usually stops well before it; the fixed
+    tests (`bootstrap`, `mcnemar`) always use all of it. With the number of tasks it sets
+    what the gate can see: see `flywheel evalset freeze` and the MDE in every decision."""
+    round_samples: int = Field(default=2, ge=1)
+    """Attempts per holdout task and side in one round: the gate looks at the outcome after
+    every round (each round covers every task equally, which the sequential test needs).
+    Smaller rounds stop sooner; larger ones batch better on a CPU engine."""
     temperature: float = Field(default=0.7, gt=0)
     """Sampling temperature of the evaluation."""
     seed: int = 1234
@@ -210,12 +228,32 @@ class GateSettings(BaseModel):
     """Evaluate at most this many holdout tasks (deterministic subset by task id); unset = all
     of the eval set. Only to bound evaluation time on slow hardware."""
     min_gain: float = 0.05
-    """Least improvement of holdout success rate (absolute) to promote."""
+    """Least improvement of holdout success rate (absolute) to promote: the observed gain
+    must reach it, on top of the paired test's significance."""
     alpha: float = 0.05
-    """Significance level of the paired test (candidate better than production)."""
-    test: Literal["bootstrap", "mcnemar"] = "bootstrap"
-    """Paired test: bootstrap over tasks of the per-task success difference, or exact
-    one-sided McNemar over (task, sample) pairs."""
+    """Level of the paired test (candidate better than production): the chance of promoting
+    a candidate that is no better stays at most this, however many rounds the gate looks."""
+    test: Literal["sequential", "bootstrap", "mcnemar"] = "sequential"
+    """`sequential`: rounds of paired samples, an always-valid test (e-values on the
+    (task, sample) pairs) after each, stopping at a clear win, a clear loss or futility
+    (`flywheel.gate.sequential`). Fixed designs, all `samples_per_task` at once: `bootstrap`
+    over tasks of the per-task success difference, or exact one-sided `mcnemar` over
+    (task, sample) pairs."""
+    power: float = Field(default=0.8, gt=0, lt=1)
+    """Target power of the minimum detectable gain (MDE) the gate reports for every eval set
+    and evaluation: gains of at least the MDE are promoted with this probability."""
+    design_gain: float | None = Field(default=None, gt=0)
+    """The gain the sequential test bets on (its alternative) and the futility bound: the
+    test is fastest for gains near it and stops for futility once the data rule it out.
+    Unset = 2 × `min_gain` (0.1 when `min_gain` ≤ 0). The status warns when the MDE is
+    above it: the eval set cannot see the gains it is asked to find."""
+    futility: float = Field(default=0.1, gt=0, lt=1)
+    """Level of the futility stop: the gate gives up on a candidate once the data rule out
+    a gain of `design_gain` at this level, so a candidate that truly gains that much loses
+    at most this share of power to an early stop."""
+    baseline_samples_per_task: int = Field(default=4, ge=1)
+    """Attempts per holdout task of the base-model baseline (whole rounds, at most the
+    budget); its rounds are cached and reused as production's first rounds."""
     bootstrap_resamples: int = 4000
     """Resamples of the paired bootstrap (fixed seed: the decision is reproducible)."""
     invalid_tolerance: float = 0.05
@@ -225,7 +263,10 @@ class GateSettings(BaseModel):
     reward_tolerance: float = 0.02
     """Largest allowed drop of mean reward."""
     latency_p95_ratio: float = 2.0
-    """Largest allowed candidate/production ratio of p95 latency."""
+    """Largest allowed candidate/production ratio of p95 latency, measured by paired probes:
+    every round samples one task on both sides back to back (alternating which goes first),
+    so a busy machine slows both alike; the attempts' own latencies (production's are cached
+    from another time) are reported, never judged."""
     tokens_ratio: float = 1.5
     """Largest allowed candidate/production ratio of tokens per task."""
     group_tolerance: float = 0.10
@@ -242,6 +283,18 @@ class GateSettings(BaseModel):
     """Baseline rule: success at or below this on valid outputs → more or easier tasks."""
     baseline_success_high: float = 0.9
     """Baseline rule: success at or above this → little left for RL to learn."""
+
+    @property
+    def target_gain(self) -> float:
+        """`design_gain`, or its default: 2 × `min_gain` (0.1 when `min_gain` ≤ 0)."""
+        if self.design_gain is not None:
+            return self.design_gain
+        return 2 * self.min_gain if self.min_gain > 0 else 0.1
+
+    @property
+    def max_rounds(self) -> int:
+        """Rounds in the budget: `samples_per_task` in whole rounds (at least one)."""
+        return max(1, self.samples_per_task // self.round_samples)
 
 
 class ArtifactSettings(BaseModel):

@@ -236,10 +236,14 @@ class AdapterTrainedPayload(_Payload):
     """Groups trained into this version since its parent (ids are in the manifest)."""
     stale_dropped: int
     metrics: dict[str, float]
+    gate: bool = True
+    """Proposed to the gate (status `candidate`). False: a snapshot (status `snapshot`) that
+    rollouts sample so they stay on-policy, published while a candidate awaits the gate or
+    before enough new training to be worth evaluating (`trainer.propose_min_groups`)."""
 
 
 class AdapterTrained(_Event):
-    """A new immutable adapter version was published (the gate evaluates it)."""
+    """A new immutable adapter version was published (the gate evaluates it when `gate`)."""
 
     type: Literal["AdapterTrained"] = "AdapterTrained"
     payload: AdapterTrainedPayload
@@ -275,6 +279,83 @@ class GateCheck(_Payload):
     detail: str
 
 
+class GatePower(_Payload):
+    """What an eval set can see at the gate's budget (`flywheel.gate.power`).
+
+    The unit is the (task, sample) pair: both sides sample the same task with the same
+    sample index and seed, and on a frozen holdout those pairs are independent."""
+
+    tasks: int
+    samples_per_task: int
+    """The budget k per task and side."""
+    pairs: int
+    """(task, sample) pairs at the budget: tasks × k."""
+    alpha: float
+    power: float
+    min_gain: float
+    design_gain: float
+    """The gain the sequential test bets on (default 2 × min_gain)."""
+    production_success: float | None
+    discordance: float
+    """Share of pairs where the two sides disagree, used in the MDE."""
+    discordance_source: str
+    """Where it came from, in words (observed pairs, production's own samples, assumed)."""
+    mde: float
+    """Minimum detectable gain: the smallest true gain in holdout success the gate promotes
+    with probability `power` within the budget."""
+    pairs_needed: int
+    """Pairs the gate would need for an MDE at or below `design_gain`."""
+    warning: str | None = None
+    """Set when the MDE is above `design_gain`: the gate cannot see the gains it is asked
+    to find."""
+
+
+class GateRound(_Payload):
+    """The sequential test after one round (cumulative counts of the paired outcomes)."""
+
+    round: int
+    pairs: int
+    wins: int
+    """Pairs where only the candidate succeeded."""
+    losses: int
+    """Pairs where only production succeeded."""
+    ties: int
+    gain: float
+    bet: float
+    """The test's bet on this round's pairs, fixed before they were seen."""
+    e_value: float
+    """Evidence that the candidate is better (promotion when ≥ 1/alpha)."""
+    e_loss: float
+    """Evidence that it is worse."""
+    e_futility: float
+    """Evidence that its gain is below `design_gain`."""
+
+
+class GateSequential(_Payload):
+    """How the sequential evaluation went and why it stopped."""
+
+    rounds: list[GateRound]
+    rounds_planned: int
+    samples_per_task: int
+    """Attempts per task and side it used."""
+    pairs: int
+    stop: Literal["win", "loss", "futility", "budget"]
+    reason: str
+    e_value: float
+    threshold: float
+    """1/alpha: an e-value this large means p ≤ alpha, at any round."""
+
+
+class LatencyProbe(_Payload):
+    """Paired latency probes: one task per round sampled on both sides back to back."""
+
+    pairs: int
+    candidate_p95_ms: float
+    production_p95_ms: float
+    candidate_mean_ms: float
+    production_mean_ms: float
+
+
 class GateDecision(_Payload):
     """What the gate's rule decided and why (`flywheel.gate.decision.decide`)."""
 
@@ -288,6 +369,14 @@ class GateDecision(_Payload):
     checks: list[GateCheck]
     reasons: list[str]
     """The decision in plain words, one sentence per failed (or, when promoting, key) check."""
+    power: GatePower | None = None
+    """What this evaluation could see (None in records from before the MDE was kept)."""
+    sequential: GateSequential | None = None
+    """Rounds, samples used, the statistic and the stopping reason (sequential test only)."""
+    latency: Literal["paired_probe", "attempts"] = "attempts"
+    """How the latency guard was measured: `paired_probe` (both sides timed back to back,
+    so load affects both alike) or `attempts` (each side's own attempts)."""
+    latency_probe: LatencyProbe | None = None
 
 
 class AdapterEvaluatedPayload(GateDecision):

@@ -167,6 +167,15 @@ async def test_operator_approves_and_rolls_back_from_the_dashboard(
             await expect(card("metric-staleness")).to_have_text("1")
             await expect(page.get_by_test_id("metric-stack")).to_contain_text(
                 "not supervised by flywheel up")  # this API runs without a local stack
+            # The gate: an evaluation in progress, and an eval set that cannot see the
+            # gains it is asked to find (10 tasks × k = 4).
+            gate = page.get_by_test_id("metric-gate")
+            await expect(gate).to_contain_text("evaluating")
+            await expect(gate).to_contain_text("v3 vs v1")
+            await expect(page.get_by_test_id("gate-samples")).to_have_text("40 / 160")
+            await expect(page.get_by_test_id("gate-mde")).to_contain_text("+0.947")
+            await expect(page.get_by_test_id("gate-warning")).to_contain_text(
+                "cannot see the gains it is asked to find")
             reward = page.locator('#reward-chart circle[data-testid="point"]')
             await expect(reward).to_have_count(3)
             assert await reward.first.get_attribute("data-value") == "0.3"
@@ -187,6 +196,7 @@ async def test_operator_approves_and_rolls_back_from_the_dashboard(
             await expect(success.locator('td[data-side="candidate"]')).to_have_text("100.0%")
             await expect(success.locator('td[data-side="production"]')).to_have_text("75.0%")
             await expect(row.get_by_test_id("reasons").locator("li")).not_to_have_count(0)
+            await expect(row.get_by_test_id("decision-power")).to_contain_text("MDE +")
 
             # Approve: a reason is required, then production moves.
             await row.get_by_test_id("approve").click()

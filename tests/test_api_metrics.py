@@ -22,9 +22,10 @@ from flywheel.api.app import create_app
 from flywheel.api.metrics import metrics_router
 from flywheel.api.operator import operator_lifespan, operator_router
 from flywheel.api.status import collect
-from flywheel.config import Settings
+from flywheel.config import GateSettings, Settings
 from flywheel.demo.watch import finished, read_progress
 from flywheel.events import AdapterEvaluated, Event
+from flywheel.gate.power import report
 from flywheel.runtime.broker import free_port
 from flywheel.runtime.kafka import ensure_topics
 from tests.helpers import produce
@@ -86,6 +87,14 @@ async def seed_pipeline(pg_dsn: str) -> None:
             stale_dropped, metrics, updated_at) VALUES ('policy', 'training', NULL, 2, 7, 1,
             $1, now())""", json.dumps({"loss": 0.25, "reward_mean": 0.5,
                                        "tokens_per_s": 1200.0, "step_s": 1.5}))
+        power = report(GateSettings(samples_per_task=4), tasks=10, discordance=None,
+                       source="", production_success=None)
+        await conn.execute("""INSERT INTO gate_status (policy, state, version,
+            baseline_version, eval_set_version, round, rounds_planned, samples_done,
+            samples_planned, started_at, updated_at, detail, power)
+            VALUES ('policy', 'evaluating', 3, 1, 1, 2, 8, 40, 160,
+                    now() - interval '90 seconds', now(), '40 pairs, gain +0.050', $1)""",
+            power.model_dump_json())
     finally:
         await conn.close()
 
@@ -189,6 +198,16 @@ async def test_metrics_exposition_matches_the_database(
     # The newest evaluation is v2 (100 % on the holdout) against production v1 (75 %).
     assert one("flywheel_last_evaluation_success_rate", side="candidate", version="2") == 1.0
     assert one("flywheel_last_evaluation_success_rate", side="production", version="1") == 0.75
+    # The gate is evaluating v3 (40 of 160 samples, 90 s in) on an eval set it cannot see
+    # the design gain on (10 tasks × k = 4, nothing known: MDE 0.947).
+    gate = {dict(k)["state"]: v for k, v in m["flywheel_gate_state"].items()}
+    assert gate["evaluating"] == 1 and sum(gate.values()) == 1 and "down" in gate
+    assert one("flywheel_gate_samples_done") == 40 and one("flywheel_gate_samples_planned") == 160
+    assert 89 <= one("flywheel_gate_elapsed_seconds") < 120
+    assert abs(one("flywheel_gate_mde") - 0.947366) < 1e-5
+    assert one("flywheel_gate_design_gain") == 0.1 and one("flywheel_gate_mde_warning") == 1
+    assert one("flywheel_last_evaluation_samples") == 120  # v2: 30 tasks × 4
+    assert 0 < one("flywheel_last_evaluation_mde") < 1
     assert one("flywheel_outbox_pending") == seeded.outbox > 0
     assert one("flywheel_kafka_up") == 1
     topics = settings.topics
@@ -215,8 +234,9 @@ async def test_status_endpoint_is_the_cli_status_plus_the_dashboard_data(
     data = r.json()
     cli = json.loads(json.dumps(await collect(settings)))
     for key, value in cli.items():
-        if key == "trainer":  # heartbeat age moves between the two reads
-            assert {**value, "heartbeat_age_s": 0} == {**data[key], "heartbeat_age_s": 0}
+        if key in ("trainer", "gate"):  # heartbeat age moves between the two reads
+            moving = {"heartbeat_age_s": 0, "elapsed_s": 0}
+            assert {**value, **moving} == {**data[key], **moving}
         else:
             assert data[key] == value, key
     assert data["lag_error"] is None and data["lag"]["flywheel-ingest"]["total"] == 3
@@ -241,6 +261,11 @@ async def test_status_endpoint_is_the_cli_status_plus_the_dashboard_data(
                                        "miner": {"bug": 1}}
     assert data["groups_stale_dropped"] == 1 and data["pending_reviews"] == 1
     assert data["baseline"] is None
+    g = data["gate"]
+    assert (g["state"], g["version"], g["samples_done"], g["samples_planned"]) == (
+        "evaluating", 3, 40, 160)
+    assert g["warning"].startswith("this eval set cannot see the gains it is asked to find")
+    assert g["power"]["mde"] == g["power"]["mde"] and g["power"]["pairs"] == 40
     who = await api.get("/v1/whoami", headers={"Authorization": "Bearer ops"})
     assert who.json()["scopes"] == ["operate"]
 
@@ -272,4 +297,4 @@ async def test_demo_progress_reads_the_gate_records(seeded: Seeded, engine: Asyn
     assert [(d["version"], d["state"]) for d in p.decisions] == [(1, "promoted"),
                                                                  (2, "pending")]
     assert p.trainer is not None and p.trainer["state"] == "training"
-    assert not finished(p)
+    assert finished(p)  # a GRPO version (v1) was promoted: the loop has turned

@@ -98,3 +98,22 @@ def test_tasks_and_verify_commands(db_url: str, tmp_path: Path,
 
     bad = runner.invoke(app, ["tasks", "show", "not-a-uuid"])
     assert bad.exit_code == 2 and "not a task id" in bad.output
+
+
+def test_evalset_freeze_reports_what_the_gate_can_see(db_url: str, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    asyncio.run(_mined(db_url))
+    monkeypatch.setenv("FLYWHEEL_DB__URL", db_url)
+    monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
+    monkeypatch.setenv("FLYWHEEL_ROLLOUT__ENVS", '["tool_call"]')
+    monkeypatch.setenv("FLYWHEEL_GATE__SAMPLES_PER_TASK", "4")
+    frozen = runner.invoke(app, ["evalset", "freeze", "--json"])
+    assert frozen.exit_code == 0, frozen.output
+    out = json.loads(frozen.stdout)
+    power = out["power"]
+    assert out["version"] == 1 and 0 < power["tasks"] < out["tasks"]  # tool_call only
+    assert power["samples_per_task"] == 4 and power["pairs"] == 4 * power["tasks"]
+    assert power["discordance"] == 0.5 and "assumed" in power["discordance_source"]
+    assert "cannot see the gains it is asked to find" in power["warning"]
+    status = runner.invoke(app, ["evalset", "freeze"])  # the words, for people
+    assert status.exit_code == 0 and "MDE +" in status.output and "warning" in status.output

@@ -38,4 +38,14 @@ def test_summary_reports_holdout_success_of_base_candidates_and_production() -> 
     assert not finished(p)  # one GRPO candidate evaluated; the demo waits for two
     p.decisions.append({"version": 4, "stage": "grpo", "state": "rejected",
                         "recommendation": "reject", "record": _record(4, 1, 0.4, 0.4)})
+    assert finished(p) and not s["grpo_promoted"]
+    # A GRPO version promoted over the SFT version ends the demo at once.
+    p.decisions[3:] = [{"version": 4, "stage": "grpo", "state": "promoted",
+                        "recommendation": "promote", "record": {
+                            **_record(4, 1, 0.55, 0.4), "power": {"mde": 0.09},
+                            "sequential": {"stop": "win"}}}]
     assert finished(p)
+    s = summary(p, {}, 1.0)
+    assert s["grpo_promoted"] and s["decisions"][3]["mde"] == 0.09
+    assert s["decisions"][3]["stop"] == "win"
+    assert abs(s["decisions"][3]["gain"] - 0.15) < 1e-9

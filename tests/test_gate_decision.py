@@ -33,7 +33,7 @@ def tasks(n: int, k: int, rate_of: Callable[[int], float]) -> dict[str, list[boo
 
 
 BASE = run(None, tasks(40, 4, lambda i: 0.25))
-RULE = Rule(min_gain=0.05, alpha=0.05, group_min_samples=8)
+RULE = Rule(min_gain=0.05, alpha=0.05, group_min_samples=8, test="bootstrap")  # fixed design
 
 
 def test_all_good_promotes() -> None:
@@ -67,7 +67,7 @@ def test_gain_not_significant_rejects() -> None:
     cand_few = dict(few)
     cand_few.update({"t02": [True] * 4, "t03": [True] * 4, "t04": [True] * 4,
                      "t05": [True] * 4, "t06": [True] * 4, "t07": [True] * 4})
-    loose = Rule(min_gain=0.05, alpha=0.05, group_min_samples=1000)
+    loose = Rule(min_gain=0.05, alpha=0.05, group_min_samples=1000, test="bootstrap")
     d = decide(run(3, cand_few), run(None, base_few), loose)
     assert d.candidate.success_rate - d.baseline.success_rate >= 0.05
     failed = {c.name for c in d.checks if not c.passed}

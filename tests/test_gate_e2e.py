@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from flywheel.adapters import lifecycle
+from flywheel.adapters import lifecycle, registry
 from flywheel.adapters.local import AdapterStore
 from flywheel.api.serving import ServingSync
 from flywheel.config import Settings
@@ -104,8 +104,19 @@ async def test_gate_promotes_waits_for_approval_rolls_back_and_replays(
         assert record["mode"] == "auto" and record["baseline_version"] is None
         assert record["candidate"]["samples"] + record["candidate"]["not_run"] == 6
         assert record["baseline"]["tasks"] == 3 and record["reasons"]
+        # One round (k = 2 in rounds of 2), looked at by the sequential test; latency from
+        # the paired probe; what the eval set could see, from the pairs it observed.
+        assert record["sequential"]["stop"] == "win" and len(record["sequential"]["rounds"]) == 1
+        assert record["latency"] == "paired_probe" and record["latency_probe"]["pairs"] == 1
+        assert record["power"]["tasks"] == 3 and record["power"]["pairs"] == 6
         runs = await wait_for(pg_dsn, "SELECT count(*) FROM eval_runs", 2, timeout=5)
-        assert runs == 2  # candidate and base model, cached for the next candidate
+        assert runs == 2  # base model (the baseline's round) and candidate, cached per round
+        assert await wait_for(pg_dsn, "SELECT count(*) FROM gate_status WHERE state = 'idle' "
+                              "AND power IS NOT NULL", 1, timeout=120) == 1, \
+            (tmp_path / "gate.log").read_text()[-3000:]
+        async with engine.connect() as conn:
+            gate = await registry.gate_activity(conn, s.policy)
+        assert gate is not None and gate["power"]["tasks"] == 3
     finally:
         for p in procs:
             p.terminate()

@@ -99,3 +99,84 @@ def test_watchdog_reports_starved_and_stalled(settings: Settings) -> None:
     service.status.state = "training"
     service.status.step_started_at = time.monotonic() - 120
     assert service.watch()[0] == "stalled"
+
+
+async def _gate_row(engine: Any, state: str, age_s: float = 0.0) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(text("""INSERT INTO gate_status (policy, state, started_at,
+            updated_at, samples_done, samples_planned)
+            VALUES ('policy', :s, now(), now() - make_interval(secs => :age), 12, 40)
+            ON CONFLICT (policy) DO UPDATE SET state = :s,
+                updated_at = now() - make_interval(secs => :age)"""),
+            {"s": state, "age": age_s})
+
+
+async def test_baseline_wait_outlasts_its_deadline_while_one_is_in_progress(
+        settings: Settings, db_url: str) -> None:
+    import asyncio
+
+    from flywheel.events import GateMetrics
+    from flywheel.gate.baseline import store_baseline
+
+    s = settings.model_copy(update={"trainer": settings.trainer.model_copy(
+        update={"baseline_wait_s": 0.5})})
+    engine = make_engine(db_url)
+    service = TrainerService(s, engine)
+    await _gate_row(engine, "baseline")
+    waiting = asyncio.create_task(service._wait_for_baseline())
+    await asyncio.sleep(3.0)  # six times the deadline
+    assert not waiting.done()
+    assert "in progress" in (service.status.detail or "")
+    assert "12/40 samples" in (service.status.detail or "")
+    base = GateMetrics(version=None, tasks=10, samples=40, not_run=0, success_rate=0.0,
+                       mean_reward=0.0, invalid_rate=0.9, unsafe_rate=0.0,
+                       latency_mean_ms=1.0, latency_p95_ms=1.0, tokens_per_task=1.0,
+                       groups={}, group_samples={})
+    async with engine.begin() as conn:
+        await store_baseline(conn, "policy", 1, base, None, s.gate)
+    found = await asyncio.wait_for(waiting, 10)
+    assert found is not None and found["recommendation"] == "sft"
+
+    # A gate that stopped mid-baseline (stale heartbeat) is not waited for.
+    async with engine.begin() as conn:
+        await conn.execute(text("DELETE FROM baselines"))
+    await _gate_row(engine, "baseline", age_s=600)
+    assert await asyncio.wait_for(service._wait_for_baseline(), 10) is None
+    await service.warm_start()  # no baseline: GRPO from the base model, and it says so
+    _, detail = service.watch()
+    assert "no baseline after 0s and none in progress" in (detail or "")
+    await engine.dispose()
+
+
+async def test_grpo_versions_are_proposed_to_the_gate_only_when_worth_evaluating(
+        settings: Settings, db_url: str) -> None:
+    from flywheel.trainer import store
+
+    s = settings.model_copy(update={"trainer": settings.trainer.model_copy(
+        update={"propose_min_groups": 16})})
+    engine = make_engine(db_url)
+    service = TrainerService(s, engine)
+
+    async def version(v: int, status: str, groups: int) -> None:
+        async with engine.begin() as conn:
+            await conn.execute(text("""INSERT INTO adapter_versions (policy, version, path,
+                status, groups) VALUES ('policy', :v, '/x', :s, :g)"""),
+                {"v": v, "s": status, "g": groups})
+
+    await version(1, "promoted", 0)      # the SFT warm start, decided
+    await version(2, "snapshot", 8)      # sampled, not gated
+    async with engine.connect() as conn:
+        assert await store.groups_since_candidate(conn, "policy") == 8
+    service.groups_since_candidate = 8
+    service.trained = [object()] * 4  # type: ignore[list-item]  # 4 groups in this version
+    assert not await service._propose()  # 12 < 16 new groups: near-identical to v1
+    service.trained = [object()] * 8  # type: ignore[list-item]
+    assert await service._propose()  # 16 groups, nothing waiting for the gate
+    await version(3, "candidate", 8)     # still waiting for the gate
+    assert not await service._propose()
+    async with engine.connect() as conn:
+        assert await store.groups_since_candidate(conn, "policy") == 0
+    zero = TrainerService(s.model_copy(update={"trainer": s.trainer.model_copy(
+        update={"propose_min_groups": 0})}), engine)
+    assert await zero._propose()  # every version proposed (the gate skips superseded ones)
+    await engine.dispose()

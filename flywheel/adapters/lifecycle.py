@@ -66,10 +66,11 @@ async def project(conn: AsyncConnection, event: Event) -> None:
         await conn.execute(text("""INSERT INTO adapter_versions (policy, version, path,
                 parent_version, stage, steps, groups, metrics, created_at, status)
             VALUES (:p, :v, :path, :parent, :stage, :steps, :groups, CAST(:m AS jsonb), :at,
-                    'candidate') ON CONFLICT DO NOTHING"""),
+                    :status) ON CONFLICT DO NOTHING"""),
             {"p": p.policy, "v": p.version, "path": p.path, "parent": p.parent_version,
              "stage": p.stage, "steps": p.steps, "groups": p.groups,
-             "m": json.dumps(p.metrics), "at": event.occurred_at})
+             "m": json.dumps(p.metrics), "at": event.occurred_at,
+             "status": "candidate" if p.gate else "snapshot"})
     elif isinstance(event, AdapterEvaluated):
         await _project_evaluated(conn, event)
     elif isinstance(event, AdapterPromoted):

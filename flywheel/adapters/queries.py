@@ -59,7 +59,12 @@ async def list_evaluations(conn: AsyncConnection, policy: str, *, state: str | N
     rows = (await conn.execute(text("""SELECT evaluation_id, version, baseline_version,
             eval_set_version, mode, recommendation, state, created_at, decided_by, decided_at,
             decision_reason, record->'candidate' AS candidate, record->'baseline' AS baseline,
-            record->'reasons' AS reasons, (record->>'p_value')::float AS p_value
+            record->'reasons' AS reasons, (record->>'p_value')::float AS p_value,
+            (record->'power'->>'mde')::float AS mde, record->'power'->>'warning' AS warning,
+            record->'sequential'->>'stop' AS stop,
+            (record->'sequential'->>'samples_per_task')::int AS samples_per_task,
+            (record->'sequential'->>'rounds_planned')::int AS rounds_planned,
+            (record->'power'->>'samples_per_task')::int AS budget_per_task
         FROM evaluations WHERE policy = :p
           AND (CAST(:s AS text) IS NULL OR state = :s)
           AND (CAST(:v AS int) IS NULL OR version = :v)

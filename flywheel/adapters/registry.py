@@ -20,6 +20,19 @@ async def newest_version(conn: AsyncConnection, policy: str) -> int | None:
     return None if version is None else int(version)
 
 
+async def newest_candidate(conn: AsyncConnection, policy: str) -> int | None:
+    """The highest version proposed to the gate (every status but `snapshot`)."""
+    version = (await conn.execute(text("""SELECT max(version) FROM adapter_versions
+        WHERE policy = :p AND status <> 'snapshot'"""), {"p": policy})).scalar()
+    return None if version is None else int(version)
+
+
+async def candidates_waiting(conn: AsyncConnection, policy: str) -> int:
+    """Versions proposed to the gate and not evaluated yet (status `candidate`)."""
+    return int((await conn.execute(text("""SELECT count(*) FROM adapter_versions
+        WHERE policy = :p AND status = 'candidate'"""), {"p": policy})).scalar_one())
+
+
 async def production_version(conn: AsyncConnection, policy: str) -> int | None:
     """The version production points at (None: the base model, or no pointer yet)."""
     version = (await conn.execute(text(
@@ -29,14 +42,14 @@ async def production_version(conn: AsyncConnection, policy: str) -> int | None:
 
 async def versions_in_use(conn: AsyncConnection, policy: str) -> set[int]:
     """Versions that must never be deleted from the store: production, every version that was
-    production (a rollback target), one awaiting review or evaluation, the newest, and any
-    that an outstanding rollout request still samples."""
+    production (a rollback target), one awaiting review or evaluation (or still waiting
+    for the gate), the newest, and any that an outstanding rollout request still samples."""
     rows = await conn.execute(text("""
         SELECT adapter_version FROM rollout_requests WHERE status = 'requested'
           AND adapter_version IS NOT NULL
         UNION SELECT version FROM production WHERE policy = :p AND version IS NOT NULL
         UNION SELECT version FROM adapter_versions WHERE policy = :p
-          AND status IN ('promoted', 'evaluated')
+          AND status IN ('promoted', 'evaluated', 'candidate')
         UNION SELECT max(version) FROM adapter_versions WHERE policy = :p"""), {"p": policy})
     return {int(v) for v in rows.scalars() if v is not None}
 
@@ -65,3 +78,31 @@ async def version_status(conn: AsyncConnection, policy: str, version: int) -> st
     status = (await conn.execute(text("""SELECT status FROM adapter_versions
         WHERE policy = :p AND version = :v"""), {"p": policy, "v": version})).scalar()
     return None if status is None else str(status)
+
+
+GATE_STALE_AFTER_S = 60.0
+"""A gate status row older than this while busy reads as `down` (its heartbeat is 5 s)."""
+
+
+async def gate_activity(conn: AsyncConnection, policy: str) -> dict[str, Any] | None:
+    """What the gate of `policy` is doing (`flywheel.gate.progress`): state (`idle`,
+    `baseline`, `evaluating`, or `down` when a busy gate's heartbeat is stale), candidate
+    `version`, `baseline_version`, `round`/`rounds_planned`, `samples_done`/
+    `samples_planned`, `elapsed_s`, `heartbeat_age_s`, `detail` and the newest eval set's
+    `power` record. None: the gate never reported."""
+    row = (await conn.execute(text("""SELECT state, version, baseline_version,
+            eval_set_version, round, rounds_planned, samples_done, samples_planned, detail,
+            power, started_at, extract(epoch FROM now() - started_at) AS elapsed_s,
+            extract(epoch FROM now() - updated_at) AS heartbeat_age_s
+        FROM gate_status WHERE policy = :p"""), {"p": policy})).mappings().first()
+    if row is None:
+        return None
+    data = dict(row)
+    data["started_at"] = data["started_at"].isoformat() if data["started_at"] else None
+    for key in ("elapsed_s", "heartbeat_age_s"):
+        data[key] = None if data[key] is None else round(float(data[key]), 1)
+    if data["state"] != "idle" and (data["heartbeat_age_s"] or 0) > GATE_STALE_AFTER_S:
+        data["detail"] = (f"no heartbeat for {data['heartbeat_age_s']:.0f}s while "
+                          f"{data['state']} (is the gate running?)")
+        data["state"] = "down"
+    return data

@@ -37,7 +37,9 @@ SCRAPE_DB_TIMEOUT_S = 5.0
 
 TRAINER_STATES = ("absent", "starting", "waiting", "training", "starved", "stalled",
                   "stopped", "down")
-ADAPTER_STATUSES = ("candidate", "evaluated", "promoted", "rejected", "rolled_back")
+GATE_STATES = ("absent", "idle", "baseline", "evaluating", "down")
+ADAPTER_STATUSES = ("candidate", "snapshot", "evaluated", "promoted", "rejected",
+                    "rolled_back")
 TRAINER_STEP_METRICS = {
     "loss": ("flywheel_trainer_loss", "GRPO loss of the trainer's last optimizer step."),
     "reward_mean": ("flywheel_trainer_reward_mean",
@@ -61,7 +63,9 @@ SELECT (SELECT version FROM production WHERE policy = :p) AS production_version,
 _LAST_EVALUATION = text("""
 SELECT version, baseline_version, state,
        (record->'candidate'->>'success_rate')::float AS candidate,
-       (record->'baseline'->>'success_rate')::float AS production
+       (record->'baseline'->>'success_rate')::float AS production,
+       (record->'candidate'->>'samples')::int AS samples,
+       (record->'power'->>'mde')::float AS mde
 FROM evaluations WHERE policy = :p ORDER BY created_at DESC LIMIT 1
 """)
 
@@ -69,7 +73,7 @@ FROM evaluations WHERE policy = :p ORDER BY created_at DESC LIMIT 1
 async def snapshot(conn: AsyncConnection, settings: Settings) -> dict[str, Any]:
     """`status.counts` plus the adapter lifecycle figures of the configured policy."""
     policy = settings.policy
-    data = await counts(conn)
+    data = await counts(conn, policy)
     row = (await conn.execute(_LIFECYCLE, {"p": policy})).mappings().one()
     last = (await conn.execute(_LAST_EVALUATION, {"p": policy})).mappings().first()
     return {**data, "policy": policy, "production_version": row["production_version"],
@@ -171,6 +175,8 @@ def families(snap: dict[str, Any] | None, lag: dict[str, dict[str, Any]],
         if isinstance(value, int | float):
             gauge(name, doc, value)
 
+    _gate_families(snap["gate"], out)
+
     # Adapter lifecycle.
     statuses = {s: 0 for s in ADAPTER_STATUSES} | snap["adapter_statuses"]
     labelled(GaugeMetricFamily, "flywheel_adapter_versions", "Adapter versions by status.",
@@ -192,6 +198,13 @@ def families(snap: dict[str, Any] | None, lag: dict[str, dict[str, Any]],
         family.add_metric(["production", "base" if base is None else str(base)],
                           last["production"])
         out.append(family)
+        gauge("flywheel_last_evaluation_samples",
+              "Candidate samples the newest gate evaluation used (the sequential test stops "
+              "early when the outcome is clear).", last["samples"] or 0)
+        if last["mde"] is not None:
+            gauge("flywheel_last_evaluation_mde",
+                  "Minimum detectable gain of the newest gate evaluation (its budget, the "
+                  "discordance it observed).", last["mde"])
     return out
 
 
@@ -221,6 +234,38 @@ def _stack_families(stack: dict[str, Any] | None) -> list[Metric]:
         up.add_metric([name], 1 if info.get("state") == "up" else 0)
         restarts.add_metric([name], int(info.get("restarts") or 0))
     return [up, restarts]
+
+
+def _gate_families(gate: dict[str, Any], out: list[Metric]) -> None:
+    """The gate's activity and what the newest eval set can see."""
+    states = [*GATE_STATES, *([gate["state"]] if gate["state"] not in GATE_STATES else [])]
+    family = GaugeMetricFamily("flywheel_gate_state",
+                               "1 for the gate's current activity (`down`: a busy gate whose "
+                               "heartbeat is older than 60 s).", labels=["state"])
+    for s in states:
+        family.add_metric([s], 1.0 if s == gate["state"] else 0.0)
+    out.append(family)
+    busy = gate["state"] in ("baseline", "evaluating")
+    for name, doc, value in (
+            ("flywheel_gate_samples_done", "Samples taken so far by the gate's current "
+             "evaluation or baseline.", gate["samples_done"] if busy else 0),
+            ("flywheel_gate_samples_planned", "Samples at the budget of the gate's current "
+             "evaluation or baseline.", gate["samples_planned"] if busy else 0),
+            ("flywheel_gate_elapsed_seconds", "Seconds the gate's current evaluation or "
+             "baseline has run.", (gate["elapsed_s"] or 0) if busy else 0)):
+        out.append(GaugeMetricFamily(name, doc, value=value))
+    power = gate["power"]
+    if power is None:
+        return
+    for name, doc, value in (
+            ("flywheel_gate_mde", "Minimum detectable gain of the newest eval set at the "
+             "gate's budget (promoted with the configured power).", power["mde"]),
+            ("flywheel_gate_design_gain", "The gain the gate is asked to find (its design "
+             "gain, 2 × min_gain by default).", power["design_gain"]),
+            ("flywheel_gate_min_gain", "The least gain the gate promotes.", power["min_gain"]),
+            ("flywheel_gate_mde_warning", "1 when the eval set cannot see the gains it is "
+             "asked to find (MDE above the design gain).", 1.0 if power["warning"] else 0.0)):
+        out.append(GaugeMetricFamily(name, doc, value=value))
 
 
 class _Families(Collector):

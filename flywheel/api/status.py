@@ -16,7 +16,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from flywheel.adapters import queries
-from flywheel.adapters.registry import latest_baseline
+from flywheel.adapters.registry import gate_activity, latest_baseline
 from flywheel.api.guards import unavailable
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
@@ -94,7 +94,21 @@ LAG_TIMEOUT_S = 5.0
 LAG_CACHE_S = 3.0
 
 
-async def counts(conn: AsyncConnection) -> dict[str, Any]:
+GATE_ABSENT: dict[str, Any] = {
+    "state": "absent", "version": None, "baseline_version": None, "eval_set_version": None,
+    "round": 0, "rounds_planned": 0, "samples_done": 0, "samples_planned": 0, "detail": None,
+    "power": None, "started_at": None, "elapsed_s": None, "heartbeat_age_s": None}
+
+
+async def gate(conn: AsyncConnection, policy: str) -> dict[str, Any]:
+    """The gate's activity (`flywheel.adapters.registry.gate_activity`) with `warning`: the
+    newest eval set's power warning (None when it can see the gains it is asked to find)."""
+    found = await gate_activity(conn, policy) or dict(GATE_ABSENT)
+    found["warning"] = (found["power"] or {}).get("warning")
+    return found
+
+
+async def counts(conn: AsyncConnection, policy: str) -> dict[str, Any]:
     """Every Postgres figure of `flywheel status --json` (all but `lag`)."""
     row = (await conn.execute(_COUNTS)).mappings().one()
     reasons: dict[str, int] = {}
@@ -112,6 +126,7 @@ async def counts(conn: AsyncConnection) -> dict[str, Any]:
         "failure_modes": modes,
         "tasks_by_split": splits,
         "trainer": _trainer(trainer),
+        "gate": await gate(conn, policy),
     }
 
 
@@ -170,7 +185,7 @@ async def _postgres_counts(settings: Settings) -> tuple[dict[str, Any] | None, s
     try:
         async with asyncio.timeout(LAG_TIMEOUT_S):
             async with engine.connect() as conn:
-                return await counts(conn), None
+                return await counts(conn, settings.policy), None
     except Exception as err:
         if unavailable(err) is None:
             raise
@@ -201,7 +216,9 @@ async def collect(settings: Settings) -> dict[str, Any]:
     unverifiable, evalset_version, groups, groups_trainable, groups_backlog,
     groups_stale_dropped, rollouts_not_run, requests_outstanding, tasks_retired,
     pending_reviews, failure_modes, trainer (state, version, steps, stale_dropped, metrics;
-    state `down` when its heartbeat is older than 30 s), lag (per consumer group),
+    state `down` when its heartbeat is older than 30 s), gate (state `idle`, `baseline`,
+    `evaluating`, `down` or `absent`; the candidate, samples done / planned, elapsed_s, the
+    newest eval set's power record with its MDE, and `warning`), lag (per consumer group),
     dependencies (`postgres` / `kafka`: up, error), stack (the local supervisor's view, or
     null). While Postgres is down only lag, dependencies and stack are there."""
     (data, db_error), (lags, lag_error) = await asyncio.gather(
@@ -215,7 +232,7 @@ async def overview(conn: AsyncConnection, settings: Settings) -> dict[str, Any]:
     training metrics and holdout result, the holdout curve, the failure-mode breakdown, the
     production pointer and the newest baseline record (None before `flywheel baseline`)."""
     policy = settings.policy
-    data = await counts(conn)
+    data = await counts(conn, policy)
     adapters = await queries.list_adapters(conn, policy)
     holdout = [{**row, "evaluation_id": str(row["evaluation_id"]),
                 "created_at": row["created_at"].isoformat()}

@@ -5,7 +5,13 @@ policy measured with fixed seeds; optionally an SFT warm start on demonstrations
 tool_call requests (the stages the trainer runs, `--sft-steps`), measured the same way;
 then K GRPO steps, each on B freshly sampled groups from the current adapter; then the same
 measurement with the trained adapter. `gain_mean_reward` is GRPO's gain over its starting
-point (the SFT adapter, or the base). Single process, the same engine and trainer classes as
+point (the SFT adapter, or the base) on the tasks it trained on.
+
+`heldout` is the figure to trust: GRPO's gain over its start on requests it never trained
+on (nor saw as demonstrations), `--heldout-tasks` × `--heldout-samples` (≥ 200) samples per
+side paired by (task, sample index, seed), with 95% intervals from a paired bootstrap over
+tasks (the tasks are a sample of the requests the policy will meet) and the exact McNemar
+p-value of the (task, sample) pairs. Single process, the same engine and trainer classes as
 the services.
 """
 
@@ -30,11 +36,20 @@ from flywheel.rollout.loop import GroupConfig, run_group
 from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
 
 
-def fixed_tasks(n: int, seed: int = 0) -> list[TaskSpec]:
+def fixed_tasks(n: int, seed: int = 0, exclude: set[str] | None = None) -> list[TaskSpec]:
+    """`n` tool_call tasks drawn with `seed`, distinct prompts none of which is in
+    `exclude`."""
     rng = random.Random(seed)
-    tasks = []
-    for i in range(n):
+    tasks: list[TaskSpec] = []
+    seen = set(exclude or ())
+    for i in range(n * 200):
+        if len(tasks) == n:
+            break
         prompt, tool, args = _request(rng)
+        if exclude is not None:
+            if prompt in seen:
+                continue
+            seen.add(prompt)
         tasks.append(TaskSpec(task_id=uuid.uuid4(), env="tool_call", tools=TOOLS,
                               messages=[{"role": "user", "content": prompt}],
                               verifier=ToolCallSpec(expected=[ExpectedCall(name=tool,
@@ -42,6 +57,63 @@ def fixed_tasks(n: int, seed: int = 0) -> list[TaskSpec]:
                               failure_mode="bad_arguments", fingerprint=f"learn-{i}",
                               split="train"))
     return tasks
+
+
+Outcomes = dict[tuple[int, int], tuple[bool, float]]
+"""(task number, sample index) → (exact success, reward)."""
+
+
+async def _outcomes(policy: Any, tasks: list[TaskSpec], adapter: AdapterRef | None,
+                    cfg: GroupConfig, seed: int) -> Outcomes:
+    env = load_environment("tool_call")
+    out: Outcomes = {}
+    for i, task in enumerate(tasks):
+        g = await run_group(policy, task, env, cfg, adapter=adapter, seed=seed + i,
+                            group_key=f"heldout{i}")
+        for r in g.scored:
+            out[(i, r.index)] = (r.failure_mode is None and (r.reward or 0) >= 1.0,
+                                 r.reward or 0.0)
+    return out
+
+
+def paired_gain(before: Outcomes, after: Outcomes, *, resamples: int = 4000,
+                seed: int = 0) -> dict[str, Any]:
+    """`after` − `before` on the pairs both have: exact-success and mean-reward gains, each
+    with a 95% percentile interval from a paired bootstrap over tasks; the pairs gained and
+    lost and the two-sided exact McNemar p-value of those."""
+    from flywheel.gate.decision import exact_mcnemar
+
+    keys = sorted(set(before) & set(after))
+    tasks = sorted({t for t, _ in keys})
+    by_task: dict[int, list[tuple[float, float]]] = {t: [] for t in tasks}
+    gained = lost = 0
+    for k in keys:
+        (s0, r0), (s1, r1) = before[k], after[k]
+        by_task[k[0]].append((float(s1) - float(s0), r1 - r0))
+        gained += s1 and not s0
+        lost += s0 and not s1
+    if not keys:
+        return {"pairs": 0, "tasks": 0}
+
+    def mean(rows: list[list[tuple[float, float]]], j: int) -> float:
+        flat = [x[j] for row in rows for x in row]
+        return statistics.fmean(flat)
+
+    rows = [by_task[t] for t in tasks]
+    rng = random.Random(seed)
+    draws = [[rows[rng.randrange(len(rows))] for _ in rows] for _ in range(resamples)]
+    out: dict[str, Any] = {"pairs": len(keys), "tasks": len(tasks), "pairs_gained": gained,
+                           "pairs_lost": lost,
+                           # With shared seeds: what the gate's MDE uses (flywheel.gate.power).
+                           "discordance": round((gained + lost) / len(keys), 4),
+                           "mcnemar_p_two_sided": min(1.0, 2 * min(
+                               exact_mcnemar(gained, lost), exact_mcnemar(lost, gained)))}
+    for j, name in ((0, "exact_success"), (1, "mean_reward")):
+        boot = sorted(mean(d, j) for d in draws)
+        out[f"gain_{name}"] = round(mean(rows, j), 4)
+        out[f"gain_{name}_ci95"] = [round(boot[int(0.025 * resamples)], 4),
+                                    round(boot[int(0.975 * resamples) - 1], 4)]
+    return out
 
 
 async def _evaluate(policy: Any, tasks: list[TaskSpec], adapter: AdapterRef | None,
@@ -61,7 +133,8 @@ async def _evaluate(policy: Any, tasks: list[TaskSpec], adapter: AdapterRef | No
 
 
 async def _run(steps: int, tasks_n: int, batch: int, group_size: int, max_tokens: int,
-               lr: float, sft_steps: int = 0) -> dict[str, Any]:
+               lr: float, sft_steps: int = 0, heldout_tasks: int = 25,
+               heldout_samples: int = 8) -> dict[str, Any]:
     from flywheel.mining.demos import demonstration_from_task
     from flywheel.policy.local import LocalPolicy
     from flywheel.policy.model_cache import resolve_model_dir
@@ -73,7 +146,11 @@ async def _run(steps: int, tasks_n: int, batch: int, group_size: int, max_tokens
     policy = LocalPolicy(model_dir)
     trainer = LoRATrainer(model_dir, lora=LoRASpec(), grpo=GRPOConfig(), lr=lr)
     tasks = fixed_tasks(tasks_n)
+    # Held out: requests GRPO never trains on and SFT never sees as demonstrations.
+    heldout = fixed_tasks(heldout_tasks, seed=2,
+                          exclude={t.messages[0]["content"] for t in tasks})
     cfg = GroupConfig(group_size=group_size, max_tokens=max_tokens, temperature=1.0)
+    held_cfg = GroupConfig(group_size=heldout_samples, max_tokens=max_tokens, temperature=1.0)
     env = load_environment("tool_call")
     work = Path(tempfile.mkdtemp(prefix="flywheel-learn-"))
     started = time.perf_counter()
@@ -82,7 +159,7 @@ async def _run(steps: int, tasks_n: int, batch: int, group_size: int, max_tokens
     sft: dict[str, Any] | None = None
     if sft_steps:
         # Demonstrations of other requests than the evaluated ones (a different draw).
-        seen = {json.dumps(t.messages) for t in tasks}
+        seen = {json.dumps(t.messages) for t in [*tasks, *heldout]}
         demos = [d for t in fixed_tasks(8 * 8, seed=1) if json.dumps(t.messages) not in seen
                  for d in [demonstration_from_task(t, uuid.uuid4())] if d is not None]
         t = TrainerSettings()  # the trainer's warm-start batch and learning rate
@@ -95,6 +172,7 @@ async def _run(steps: int, tasks_n: int, batch: int, group_size: int, max_tokens
         sft = {"steps": sft_steps, "demonstrations": len(demos),
                **await _evaluate(policy, tasks, adapter, cfg)}
     start = sft or base
+    held_start = await _outcomes(policy, heldout, adapter, held_cfg, seed=20_000)
     curve, trained_groups = [], 0
     for step in range(steps):
         groups = []
@@ -122,15 +200,29 @@ async def _run(steps: int, tasks_n: int, batch: int, group_size: int, max_tokens
             await policy.retire_adapter(adapter)
         adapter = new
     final = await _evaluate(policy, tasks, adapter, cfg)
+    held_final = await _outcomes(policy, heldout, adapter, held_cfg, seed=20_000)
     await policy.close()
+    held = {"start": "sft" if sft else "base",
+            "start_exact_success": _share(held_start), "final_exact_success": _share(held_final),
+            **paired_gain(held_start, held_final)}
     return {"steps": steps, "optimizer_steps": trainer.steps, "groups_trained": trained_groups,
             "tasks": tasks_n, "group_size": group_size, "lr": lr,
             "max_tokens": max_tokens, "batch": batch,
             "base": base, "sft": sft, "trained": final, "train_reward_curve": curve,
             "gain_mean_reward": round(final["mean_reward"] - start["mean_reward"], 3),
-            "seconds": round(time.perf_counter() - started, 1)}
+            "heldout": held, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def _share(outcomes: Outcomes) -> float:
+    return round(statistics.fmean(s for s, _ in outcomes.values()), 4) if outcomes else 0.0
 
 
 def run_learning(steps: int = 30, *, tasks: int = 6, batch: int = 2, group_size: int = 8,
-                 max_tokens: int = 32, lr: float = 2e-4, sft_steps: int = 0) -> dict[str, Any]:
-    return asyncio.run(_run(steps, tasks, batch, group_size, max_tokens, lr, sft_steps))
+                 max_tokens: int = 32, lr: float = 2e-4, sft_steps: int = 0,
+                 heldout_tasks: int = 25, heldout_samples: int = 8) -> dict[str, Any]:
+    if heldout_tasks * heldout_samples < 200:
+        raise ValueError(f"{heldout_tasks} held-out tasks × {heldout_samples} samples = "
+                         f"{heldout_tasks * heldout_samples}: use at least 200 held-out "
+                         "samples (--heldout-tasks, --heldout-samples)")
+    return asyncio.run(_run(steps, tasks, batch, group_size, max_tokens, lr, sft_steps,
+                            heldout_tasks, heldout_samples))

@@ -162,6 +162,8 @@ def status(as_json: JsonOpt = False) -> None:
 def _print_status(data: dict[str, Any]) -> None:
     from rich.table import Table
 
+    from flywheel.cli.review import gate_lines
+
     table = Table(title="flywheel status", show_header=False)
     for name, dep in data["dependencies"].items():
         table.add_row(name, "[green]up[/green]" if dep["up"]
@@ -174,6 +176,13 @@ def _print_status(data: dict[str, Any]) -> None:
         table.add_row(f"  dlq {consumer}", ", ".join(f"{r} {n}" for r, n in reasons.items()))
     for group, lag in data["lag"].items():
         table.add_row(f"lag {group}", str(lag["total"]))
+    if "trainer" in data:  # Postgres answered (else only lag, dependencies and stack)
+        trainer = data["trainer"]
+        table.add_row("trainer", f"{trainer['state']}" + (f": {trainer['detail']}"
+                                                           if trainer["detail"] else ""))
+    if "gate" in data:
+        for key, value in gate_lines(data["gate"]):
+            table.add_row(key, value)
     stack = data.get("stack") or {}
     for name, info in (stack.get("components") or {}).items():
         state = info.get("state")
@@ -185,6 +194,9 @@ def _print_status(data: dict[str, Any]) -> None:
     for note in stack.get("notes") or []:
         table.add_row("note", note)
     Console().print(table)
+    warning = (data.get("gate") or {}).get("warning")
+    if warning:
+        console.print(f"[yellow]warning:[/yellow] {warning}")
 
 
 @bench_app.command("ingest")
@@ -259,15 +271,32 @@ def tasks_show(task_id: str, as_json: JsonOpt = False) -> None:
 
 @evalset_app.command("freeze")
 def evalset_freeze(as_json: JsonOpt = False) -> None:
-    """Freeze today's holdout tasks as the next eval-set version (immutable)."""
+    """Freeze today's holdout tasks as the next eval-set version (immutable), and report
+    what the gate can see on it: the minimum detectable gain at its budget."""
+    from flywheel.cli.review import power_line
+    from flywheel.gate.evaluate import load_holdout
+    from flywheel.gate.progress import eval_set_power, write_power
     from flywheel.mining.store import freeze_eval_set
 
-    topics = _settings().topics
-    version, count = _db_call(lambda conn: freeze_eval_set(conn, topics))
+    settings = _settings()
+
+    async def go(conn: Any) -> Any:
+        version, count = await freeze_eval_set(conn, settings.topics)
+        holdout = await load_holdout(conn, settings.gate.max_tasks, settings.rollout.envs)
+        found = await eval_set_power(conn, settings, holdout)
+        await write_power(conn, settings.policy, found)
+        return version, count, found
+
+    version, count, found = _db_call(go)
     if as_json:
-        print(json.dumps({"version": version, "tasks": count}))
-    else:
-        console.print(f"eval set v{version} frozen with {count} holdout tasks")
+        print(json.dumps({"version": version, "tasks": count,
+                          "power": found.model_dump(mode="json")}, sort_keys=True))
+        return
+    console.print(f"eval set v{version} frozen with {count} holdout tasks "
+                  f"({found.tasks} in this policy's environments)")
+    console.print(f"MDE {power_line(found.model_dump(mode='json'))}")
+    if found.warning:
+        console.print(f"[yellow]warning:[/yellow] {found.warning}")
 
 
 @verify_app.command("check")
@@ -364,13 +393,22 @@ def bench_learning(
     sft_steps: Annotated[int, typer.Option(
         help="SFT warm-start steps before GRPO, on demonstrations of other requests.")] = 0,
     max_tokens: Annotated[int, typer.Option(help="Most tokens per completion.")] = 32,
+    heldout_tasks: Annotated[int, typer.Option(
+        help="Requests never trained on, for GRPO's gain over its start.")] = 25,
+    heldout_samples: Annotated[int, typer.Option(
+        help="Samples per held-out request and side (tasks × samples ≥ 200).")] = 8,
     as_json: JsonOpt = False,
 ) -> None:
-    """Mean reward on fixed tasks: base policy [vs SFT] vs after K GRPO steps (local engine)."""
+    """Mean reward on fixed tasks: base policy [vs SFT] vs after K GRPO steps (local engine),
+    and GRPO's gain over its start on ≥ 200 held-out samples with 95% intervals."""
     from flywheel.bench.learning import run_learning
 
+    if heldout_tasks * heldout_samples < 200:
+        _fail(f"--heldout-tasks × --heldout-samples is {heldout_tasks * heldout_samples}: "
+              "use at least 200 held-out samples")
     result = run_learning(steps, tasks=tasks, lr=lr, sft_steps=sft_steps,
-                          max_tokens=max_tokens)
+                          max_tokens=max_tokens, heldout_tasks=heldout_tasks,
+                          heldout_samples=heldout_samples)
     print_result(result, as_json)
 
 
@@ -415,7 +453,7 @@ def bench_trainer(
 
 @app.command()
 def demo(keep: Annotated[bool, typer.Option(help="Leave the stack running afterwards.")] = False,
-         minutes: Annotated[float, typer.Option(help="Time budget of the whole demo.")] = 18.0,
+         minutes: Annotated[float, typer.Option(help="Time budget of the whole demo.")] = 20.0,
          ) -> None:
     """The whole loop on the embedded default: trajectories → tasks → baseline → SFT/GRPO →
     gate → promotion decisions; writes .flywheel/demo-summary.json."""

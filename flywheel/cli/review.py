@@ -51,6 +51,35 @@ def _evaluation_id(conn: Any, ref: str) -> Any:
     return go()
 
 
+def gate_lines(gate: dict[str, Any]) -> list[tuple[str, str]]:
+    """`flywheel status` rows of the gate: its activity and what the eval set can see."""
+    state = gate["state"]
+    if state == "evaluating":
+        doing = (f"evaluating v{gate['version']} against "
+                 f"{version_label(gate['baseline_version'])}: {gate['samples_done']}/"
+                 f"{gate['samples_planned']} samples, round {gate['round']}/"
+                 f"{gate['rounds_planned']}, {gate['elapsed_s'] or 0:.0f}s")
+    elif state == "baseline":
+        doing = (f"measuring the base model: {gate['samples_done']}/"
+                 f"{gate['samples_planned']} samples, {gate['elapsed_s'] or 0:.0f}s")
+    else:
+        doing = state + (f" ({gate['detail']})" if state == "down" else "")
+    rows = [("gate", doing)]
+    if gate["detail"] and state == "evaluating":
+        rows.append(("gate test", gate["detail"]))
+    power = gate["power"]
+    if power is not None:
+        rows.append(("eval set MDE", power_line(power)))
+    return rows
+
+
+def power_line(power: dict[str, Any]) -> str:
+    return (f"{power['mde']:+.3f} at {power['tasks']} tasks × k = {power['samples_per_task']} "
+            f"(alpha {power['alpha']}, power {power['power']:.0%}, asked to find "
+            f"{power['design_gain']:+.3f}; discordance {power['discordance']:.3f} from "
+            f"{power['discordance_source']})")
+
+
 @promotions_app.command("ls")
 def promotions_ls(state: Annotated[str | None, typer.Option(
         help="pending, promoted, rejected or superseded")] = None,
@@ -63,14 +92,16 @@ def promotions_ls(state: Annotated[str | None, typer.Option(
     if as_json:
         print_result(rows, True)
         return
-    table = Table("id", "version", "vs", "success", "p", "gate says", "state", "by")
+    table = Table("id", "version", "vs", "success", "p", "samples", "MDE", "stop",
+                  "gate says", "state", "by")
     for r in rows:
         c, b = r["candidate"], r["baseline"]
         table.add_row(r["evaluation_id"][:8], f"v{r['version']}",
                       f"v{r['baseline_version']}" if r["baseline_version"] else "base",
                       f"{b['success_rate']:.2f} → {c['success_rate']:.2f}",
-                      f"{r['p_value']:.3f}", r["recommendation"], r["state"],
-                      r["decided_by"] or "")
+                      f"{r['p_value']:.3f}", str(c["samples"]),
+                      "" if r["mde"] is None else f"{r['mde']:+.3f}", r["stop"] or "",
+                      r["recommendation"], r["state"], r["decided_by"] or "")
     Console().print(table)
 
 
@@ -82,7 +113,22 @@ def promotions_show(evaluation: str, as_json: JsonOpt = False) -> None:
     async def go(conn: Any) -> Any:
         return await get_evaluation(conn, await _evaluation_id(conn, evaluation))
 
-    print_result(_lifecycle_call(go), as_json)
+    found = _lifecycle_call(go)
+    if not as_json:
+        record = found["record"]
+        if record.get("power"):
+            console.print(f"[bold]what this evaluation could see[/bold]: MDE "
+                          f"{power_line(record['power'])}")
+            if record["power"].get("warning"):
+                console.print(f"[yellow]warning:[/yellow] {record['power']['warning']}")
+        if record.get("sequential"):
+            s = record["sequential"]
+            console.print(f"[bold]sequential test[/bold]: {len(s['rounds'])} of "
+                          f"{s['rounds_planned']} rounds, {s['samples_per_task']} samples per "
+                          f"task and side, {s['pairs']} pairs; stopped ({s['stop']}): "
+                          f"{s['reason']}")
+        console.print(f"[bold]latency guard[/bold]: measured by {record.get('latency')}")
+    print_result(found, as_json)
 
 
 @promotions_app.command("approve")

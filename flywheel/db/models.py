@@ -340,7 +340,9 @@ class AdapterVersionRow(Base):
         DateTime(timezone=True), server_default=func.now())
     status: Mapped[str] = mapped_column(Text, server_default=text("'candidate'"))
     """Lifecycle (a projection of the event log): `candidate` → `evaluated` (awaiting review)
-    → `promoted` | `rejected`; `rolled_back` once production moved away from it by rollback."""
+    → `promoted` | `rejected`; `rolled_back` once production moved away from it by rollback;
+    `snapshot`: published for sampling, not proposed to the gate (an operator may still
+    evaluate it)."""
     groups: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     metrics: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'"))
     """The trainer's last step metrics for this version (loss, reward_mean, …)."""
@@ -426,6 +428,33 @@ class BaselineRow(Base):
     """`sft`, `grpo` or `more_tasks`."""
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now())
+
+
+class GateStatusRow(Base):
+    """What the gate is doing (an evaluation or a baseline in progress, with its progress)
+    and what the newest eval set can see: a heartbeat row per policy, not a projection."""
+
+    __tablename__ = "gate_status"
+
+    policy: Mapped[str] = mapped_column(Text, primary_key=True)
+    state: Mapped[str] = mapped_column(Text)
+    """`idle`, `baseline` (measuring the base model) or `evaluating` (a candidate)."""
+    version: Mapped[int | None] = mapped_column(Integer)
+    """The candidate being evaluated (None: the base model, during a baseline)."""
+    baseline_version: Mapped[int | None] = mapped_column(Integer)
+    """Production it is compared with (None = the base model)."""
+    eval_set_version: Mapped[int | None] = mapped_column(Integer)
+    round: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    rounds_planned: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    samples_done: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    """Candidate attempts sampled so far in this evaluation."""
+    samples_planned: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    """Candidate attempts at the budget (the sequential test usually stops sooner)."""
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    detail: Mapped[str | None] = mapped_column(Text)
+    power: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    """The newest eval set's power record (`GatePower`): its MDE and any warning."""
 
 
 class TrainerStatusRow(Base):

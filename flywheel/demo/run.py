@@ -78,30 +78,49 @@ async def _wait(settings: Settings, expected_rows: int, expected_dlq: int,
         await asyncio.sleep(0.5)
 
 
-async def _freeze(settings: Settings) -> tuple[int, int]:
+async def _freeze(settings: Settings) -> tuple[int, int, Any]:
+    """Freeze the eval set and say what the gate can see on it (as `evalset freeze`)."""
     from flywheel.db.engine import make_engine
+    from flywheel.gate.evaluate import load_holdout
+    from flywheel.gate.progress import eval_set_power, write_power
     from flywheel.mining.store import freeze_eval_set
     from flywheel.runtime.endpoints import resolve_db_url
 
     engine = make_engine(resolve_db_url(settings), pool_size=1)
     try:
         async with engine.begin() as conn:
-            return await freeze_eval_set(conn, settings.topics)
+            version, count = await freeze_eval_set(conn, settings.topics)
+            holdout = await load_holdout(conn, settings.gate.max_tasks, settings.rollout.envs)
+            found = await eval_set_power(conn, settings, holdout)
+            await write_power(conn, settings.policy, found)
+            return version, count, found
     finally:
         await engine.dispose()
 
 
 DEMO_ENV = {
-    # Small enough for a 2-core CPU in ~15 minutes; every figure is still measured by the
+    # Small enough for a 2-core CPU in ~20 minutes; every figure is still measured by the
     # gate on frozen holdout tasks. Any of these can be overridden from the environment.
     # The bundled 135M model is trained as the support agent's tool-calling policy: the
     # loop samples and gates its `tool_call` tasks. Workplace and code failures are still
     # mined into tasks (shown above), for a policy of their own — multi-step episodes with
     # long prompts cost minutes per group on a CPU.
     "FLYWHEEL_ROLLOUT__ENVS": '["tool_call"]',
-    "FLYWHEEL_GATE__SAMPLES_PER_TASK": "4",
+    # What the gate can see (docs/BENCHMARKS.md, "Gate"): 11 tool_call holdout tasks (30%
+    # of the mined tasks; 10 at 20%) × a budget of k = 32 is 352 pairs, an MDE of
+    # 0.075–0.104 at the discordance of a GRPO version against its SFT parent with shared
+    # seeds (0.10–0.25); 10 tasks × k = 4 (the old setting, a fixed test) could only see
+    # gains of 0.16–0.22. Simulated on this shape (15 tasks), a gain of 0.10 is promoted
+    # 89–96% of the time after 4–7 rounds; a candidate no better than production stops
+    # after 3–5.
+    "FLYWHEEL_MINER__HOLDOUT_FRACTION": "0.3",
+    "FLYWHEEL_GATE__SAMPLES_PER_TASK": "32",
+    "FLYWHEEL_GATE__ROUND_SAMPLES": "2",
     "FLYWHEEL_TRAINER__SFT_STEPS": "20",
+    # Rollouts sample a fresh snapshot every 2 steps; a GRPO version goes to the gate once
+    # 24 groups (6 steps) were trained since the last candidate and none is waiting.
     "FLYWHEEL_TRAINER__PUBLISH_EVERY": "2",
+    "FLYWHEEL_TRAINER__PROPOSE_MIN_GROUPS": "24",
 }
 
 
@@ -129,7 +148,7 @@ def _demo_settings(base: Settings) -> Settings:
 async def _watch(settings: Settings, deadline: float) -> Any:
     """Report the loop as it turns; return the final progress once it has turned."""
     from flywheel.db.engine import make_engine
-    from flywheel.demo.watch import decision_line, finished, read_progress
+    from flywheel.demo.watch import decision_line, finished, gate_line, read_progress
     from flywheel.runtime.endpoints import resolve_db_url
 
     engine = make_engine(resolve_db_url(settings), pool_size=1)
@@ -159,7 +178,10 @@ async def _watch(settings: Settings, deadline: float) -> Any:
                         parent = a["parent_version"]
                         console.print(f"trainer published [bold]{key}[/bold] ({a['stage']}, "
                                       f"{a['steps']} steps, parent "
-                                      f"{f'v{parent}' if parent else 'base'})")
+                                      f"{f'v{parent}' if parent else 'base'}"
+                                      + ("; a snapshot for sampling, not gated)"
+                                         if a["status"] == "snapshot" else
+                                         "; proposed to the gate)"))
                 for d in p.decisions:
                     key = f"d{d['version']}-{d['state']}"
                     if d["state"] in ("promoted", "rejected") and key not in seen:
@@ -168,8 +190,9 @@ async def _watch(settings: Settings, deadline: float) -> Any:
                         console.print(f"[bold]gate[/bold]: {decision_line(d)}")
                 t = p.trainer or {}
                 spinner.update(f"trainer {t.get('state', 'starting')}: "
-                               f"{t.get('detail') or ''} — {p.groups} scored groups, "
-                               f"production {'v' + str(p.production) if p.production else 'base'}"
+                               f"{t.get('detail') or ''} — {gate_line(p.gate)} — "
+                               f"{p.groups} scored groups, production "
+                               f"{'v' + str(p.production) if p.production else 'base'}"
                                f" — {max(0, deadline - time.monotonic()):.0f}s left")
                 if finished(p) or time.monotonic() > deadline:
                     marks["loop"] = time.monotonic() - t0
@@ -179,7 +202,7 @@ async def _watch(settings: Settings, deadline: float) -> Any:
         await engine.dispose()
 
 
-def run_demo(settings: Settings, *, keep: bool = False, minutes: float = 18.0) -> int:
+def run_demo(settings: Settings, *, keep: bool = False, minutes: float = 20.0) -> int:
     from flywheel.demo.watch import summary
     from flywheel.runtime.control import detach, down
 
@@ -204,10 +227,15 @@ def run_demo(settings: Settings, *, keep: bool = False, minutes: float = 18.0) -
     _show_status(status)
     ok = (status["trajectories"] == SDK_TRAJECTORIES + GATEWAY_TRAJECTORIES
           and status["dlq"] == BAD_PAYLOADS and status["tasks"] > 0)
-    version, frozen = asyncio.run(_freeze(settings))
+    version, frozen, power = asyncio.run(_freeze(settings))
     envs = ", ".join(settings.rollout.envs) or "all"
     console.print(f"eval set v{version} frozen: {frozen} holdout tasks (training never sees "
-                  f"them); this policy is trained and gated on its {envs} tasks")
+                  f"them); this policy is trained and gated on its {power.tasks} {envs} tasks")
+    console.print(f"the gate's budget: k = {power.samples_per_task} per task = {power.pairs} "
+                  f"paired samples, in rounds of {settings.gate.round_samples}; it can see "
+                  f"gains of {power.mde:+.3f} or more (power {power.power:.0%}, alpha "
+                  f"{power.alpha}; {power.discordance_source}) — the discordance is measured "
+                  "again on every evaluation")
     deadline = t0 + minutes * 60
     mark = time.monotonic()
     progress, marks = asyncio.run(_watch(settings, deadline))
@@ -255,14 +283,16 @@ def _show_status(status: dict[str, Any]) -> None:
 def _show_summary(result: dict[str, Any]) -> None:
     h = result["holdout"]
     table = Table(title="holdout success (measured by the gate on frozen holdout tasks)")
-    for col in ("policy", "success", "decision", "why"):
+    for col in ("policy", "success", "samples", "MDE", "decision", "why"):
         table.add_column(col)
-    table.add_row("base model", _pct(h["base_success"]), "", "")
+    table.add_row("base model", _pct(h["base_success"]), "", "", "", "")
     for d in result["decisions"]:
         table.add_row(f"v{d['version']} ({d['stage']})", _pct(d["candidate_success"]),
+                      "" if d["samples"] is None else str(d["samples"]),
+                      "" if d["mde"] is None else f"{d['mde']:+.3f}",
                       d["state"], "; ".join(d["reasons"])[:160])
     prod = f"v{h['production_version']}" if h["production_version"] else "base model"
-    table.add_row(f"production now: {prod}", _pct(h["production_success"]), "", "")
+    table.add_row(f"production now: {prod}", _pct(h["production_success"]), "", "", "", "")
     console.print(table)
     console.print("seconds per stage: " + ", ".join(f"{k} {v:.0f}"
                                                     for k, v in result["stages"].items()))

@@ -13,8 +13,9 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from flywheel.adapters.lifecycle import version_label
 from flywheel.adapters.queries import list_adapters, production
-from flywheel.adapters.registry import latest_baseline
+from flywheel.adapters.registry import gate_activity, latest_baseline
 
 
 @dataclass
@@ -25,6 +26,7 @@ class Progress:
     trainer: dict[str, Any] | None = None
     groups: int = 0
     production: int | None = None
+    gate: dict[str, Any] | None = None
 
 
 async def read_progress(conn: AsyncConnection, policy: str) -> Progress:
@@ -46,6 +48,7 @@ async def read_progress(conn: AsyncConnection, policy: str) -> Progress:
         FROM trainer_status WHERE policy = :p"""), {"p": policy})).mappings().first()
     p.trainer = dict(trainer) if trainer else None
     p.groups = int((await conn.execute(text("SELECT count(*) FROM rollout_groups"))).scalar_one())
+    p.gate = await gate_activity(conn, policy)
     return p
 
 
@@ -54,14 +57,28 @@ def decided(p: Progress) -> list[dict[str, Any]]:
 
 
 def finished(p: Progress, *, grpo_decisions: int = 2) -> bool:
-    """The loop has turned once: the warm start (if any) and `grpo_decisions` GRPO
-    candidates were decided by the gate."""
+    """The loop has turned: the warm start (if any) was decided, and a GRPO candidate was
+    promoted or `grpo_decisions` of them were decided by the gate."""
     done = decided(p)
     sft_needed = bool(p.baseline and p.baseline["recommendation"] == "sft")
     sft_done = any(d.get("stage") == "sft" for d in done) or not sft_needed
-    grpo_done = sum(1 for d in done if d.get("stage") == "grpo" and d.get("record")) \
-        >= grpo_decisions
-    return sft_done and grpo_done
+    grpo = [d for d in done if d.get("stage") == "grpo" and d.get("record")]
+    promoted = any(d["state"] == "promoted" for d in grpo)
+    return sft_done and (promoted or len(grpo) >= grpo_decisions)
+
+
+def gate_line(gate: dict[str, Any] | None) -> str:
+    """The gate's activity in a few words (the demo's spinner)."""
+    if gate is None or gate["state"] in ("idle", "absent"):
+        return "gate idle"
+    if gate["state"] == "evaluating":
+        return (f"gate: v{gate['version']} vs {version_label(gate['baseline_version'])}, "
+                f"{gate['samples_done']}/{gate['samples_planned']} samples, "
+                f"{gate['elapsed_s'] or 0:.0f}s")
+    if gate["state"] == "baseline":
+        return (f"gate: baseline {gate['samples_done']}/{gate['samples_planned']} samples, "
+                f"{gate['elapsed_s'] or 0:.0f}s")
+    return f"gate {gate['state']}: {gate['detail']}"
 
 
 def decision_line(d: dict[str, Any]) -> str:
@@ -70,9 +87,13 @@ def decision_line(d: dict[str, Any]) -> str:
     r = d["record"]
     c, b = r["candidate"], r["baseline"]
     vs = f"v{r['baseline_version']}" if r["baseline_version"] else "base"
+    seq, power = r.get("sequential"), r.get("power")
+    seen = (f", {seq['samples_per_task']} of {power['samples_per_task']} samples per task "
+            f"({seq['stop']})" if seq and power else "")
+    mde = f", MDE {power['mde']:+.3f}" if power else ""
     return (f"v{d['version']} ({d.get('stage', '?')}) vs {vs}: holdout success "
-            f"{b['success_rate']:.2f} → {c['success_rate']:.2f}, p = {r['p_value']:.3f} → "
-            f"{d['state']}; {r['reasons'][0]}")
+            f"{b['success_rate']:.2f} → {c['success_rate']:.2f}, p = {r['p_value']:.3f}"
+            f"{seen}{mde} → {d['state']}; {r['reasons'][0]}")
 
 
 def summary(p: Progress, stages: dict[str, float], wall_s: float) -> dict[str, Any]:
@@ -93,6 +114,11 @@ def summary(p: Progress, stages: dict[str, float], wall_s: float) -> dict[str, A
             "candidate_success": None if r is None else r["candidate"]["success_rate"],
             "production_success": None if r is None else r["baseline"]["success_rate"],
             "p_value": None if r is None else r["p_value"],
+            "samples": None if r is None else r["candidate"].get("samples"),
+            "mde": None if r is None or not r.get("power") else r["power"]["mde"],
+            "gain": None if r is None else r["candidate"]["success_rate"]
+            - r["baseline"]["success_rate"],
+            "stop": None if r is None or not r.get("sequential") else r["sequential"]["stop"],
             "reasons": ["superseded by a newer version before evaluation"] if r is None
             else r["reasons"]})
     production_success = base if p.production is None else by_version.get(p.production)
@@ -106,6 +132,9 @@ def summary(p: Progress, stages: dict[str, float], wall_s: float) -> dict[str, A
             "invalid_rate": p.baseline["base"]["invalid_rate"],
             "groups": p.baseline["base"]["groups"]},
         "decisions": decisions,
+        "grpo_promoted": any(d["stage"] == "grpo" and d["state"] == "promoted"
+                             for d in decisions),
+        "eval_set_power": None if p.gate is None else p.gate.get("power"),
         "adapters": [{k: a[k] for k in ("version", "parent_version", "stage", "steps",
                                         "groups", "status")} for a in p.adapters],
         "scored_groups": p.groups,

@@ -1,7 +1,9 @@
 """The gate's pure logic: holdout metrics of one side, the paired test, the decision rule.
 
-No I/O. An evaluation run is a list of attempts, k per task, sampled with the same seeds for
-both sides; the decision compares a candidate run with the production run on the same tasks.
+No I/O. An evaluation run is a list of attempts per task, sampled in rounds with the same
+task, sample index and seed on both sides; the decision compares a candidate run with the
+production run on the same tasks: the sequential test (`flywheel.gate.sequential`) over the
+rounds, or a fixed test over all of them, plus the guard metrics.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from flywheel.config import GateSettings
-from flywheel.events import GateCheck, GateDecision, GateMetrics
+from flywheel.events import GateCheck, GateDecision, GateMetrics, GateSequential, LatencyProbe
+from flywheel.gate import power, sequential
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,15 @@ class EvalRun:
         return cls(version=data["version"], task_groups=data["task_groups"],
                    attempts=[Attempt(**a) for a in data["attempts"]],
                    not_run=data["not_run"])
+
+    @classmethod
+    def combine(cls, rounds: Sequence[EvalRun]) -> EvalRun:
+        """Rounds of one side as one run (their attempts have distinct sample indices)."""
+        if not rounds:
+            raise ValueError("no rounds to combine")
+        return cls(version=rounds[0].version, task_groups=rounds[0].task_groups,
+                   attempts=[a for r in rounds for a in r.attempts],
+                   not_run=sum(r.not_run for r in rounds))
 
 
 Rule = GateSettings
@@ -119,29 +131,92 @@ def mcnemar(cand: EvalRun, base: EvalRun) -> tuple[float, float]:
             continue
         wins += x.success
         losses += other
+    return float(wins - losses), exact_mcnemar(wins, losses)
+
+
+def exact_mcnemar(wins: int, losses: int) -> float:
+    """One-sided exact McNemar p-value: P(X ≥ wins), X ~ Binomial(wins + losses, ½)."""
     n = wins + losses
     if n == 0:
-        return 0.0, 1.0
-    p = sum(math.comb(n, i) for i in range(wins, n + 1)) / 2 ** n
-    return float(wins - losses), p
+        return 1.0
+    return float(sum(math.comb(n, i) for i in range(wins, n + 1)) / 2 ** n)
 
 
-def decide(cand: EvalRun, base: EvalRun, rule: Rule) -> GateDecision:
-    """Promote iff the gain is large enough, significant, and nothing guarded regresses."""
-    mc, mb = metrics(cand), metrics(base)
-    if rule.test == "mcnemar":
+def round_counts(cand: EvalRun, base: EvalRun, round_samples: int) -> list[sequential.Counts]:
+    """Wins, losses and ties of the (task, sample) pairs, per round (sample index //
+    `round_samples`), for the rounds both sides have; unpaired attempts are left out."""
+    b = {(x.task, x.index): x.success for x in base.attempts}
+    rounds: dict[int, list[int]] = {}
+    for x in cand.attempts:
+        other = b.get((x.task, x.index))
+        if other is None:
+            continue
+        w = rounds.setdefault(x.index // round_samples, [0, 0, 0])
+        w[0 if x.success > other else 1 if x.success < other else 2] += 1
+    out = []
+    for r in range(len(rounds)):  # contiguous from round 0: a gap ends the usable rounds
+        if r not in rounds:
+            break
+        out.append(sequential.Counts(*rounds[r]))
+    return out
+
+
+def first_rounds(run: EvalRun, rounds: int, round_samples: int) -> EvalRun:
+    """`run` cut to its first `rounds` rounds (what the test looked at)."""
+    limit = rounds * round_samples
+    return EvalRun(version=run.version, task_groups=run.task_groups,
+                   attempts=[x for x in run.attempts if x.index < limit], not_run=run.not_run)
+
+
+def paired_discordance(counts: list[sequential.Counts]) -> float | None:
+    seen = sum(counts, sequential.Counts())
+    return sequential.discordance(seen) if seen.pairs else None
+
+
+def decide(cand: EvalRun, base: EvalRun, rule: Rule,
+           probe: LatencyProbe | None = None) -> GateDecision:
+    """Promote iff the gain is large enough, significant, and nothing guarded regresses.
+
+    Sequential: the runs are replayed round by round and cut where the test stopped; the
+    record keeps the rounds and the stopping reason. `probe`: paired latency probes (the
+    latency guard then compares them instead of each side's own attempts)."""
+    seq: GateSequential | None = None
+    counts = round_counts(cand, base, rule.round_samples)
+    if rule.test == "sequential":
+        outcome = sequential.run(counts, rule)
+        used = outcome.used_rounds
+        cand, base = (first_rounds(cand, used, rule.round_samples),
+                      first_rounds(base, used, rule.round_samples))
+        counts = counts[:used]
+        seen = sum(counts, sequential.Counts())
+        seq = GateSequential(
+            rounds=outcome.rounds, rounds_planned=rule.max_rounds,
+            samples_per_task=used * rule.round_samples, pairs=seen.pairs,
+            stop=outcome.stop or "budget",
+            reason=outcome.reason if outcome.stop else f"{outcome.reason}: the runs end here",
+            e_value=outcome.e_value, threshold=1 / rule.alpha)
+        statistic, p = outcome.e_value, outcome.p_value
+    elif rule.test == "mcnemar":
         statistic, p = mcnemar(cand, base)
     else:
         statistic, p = paired_bootstrap(cand, base, rule.bootstrap_resamples)
+    mc, mb = metrics(cand), metrics(base)
     gain = mc.success_rate - mb.success_rate
+    if seq is not None:
+        sig = GateCheck(name="significance", passed=seq.stop == "win",
+                        detail=f"sequential e-value {statistic:.3g} (needs ≥ "
+                               f"{1 / rule.alpha:g} = 1/alpha at any round; p ≤ {p:.4f}); "
+                               f"{seq.reason}")
+    else:
+        sig = GateCheck(name="significance", passed=p < rule.alpha,
+                        detail=f"{rule.test} p = {p:.4f} (needs < {rule.alpha})")
     checks = [
         GateCheck(name="samples", passed=mc.samples > 0 and mb.samples > 0,
                   detail=f"{mc.samples} candidate and {mb.samples} production samples"),
         GateCheck(name="gain", passed=gain >= rule.min_gain,
                   detail=f"holdout success {mb.success_rate:.3f} → {mc.success_rate:.3f} "
                          f"({gain:+.3f}; needs ≥ {rule.min_gain:+.3f})"),
-        GateCheck(name="significance", passed=p < rule.alpha,
-                  detail=f"{rule.test} p = {p:.4f} (needs < {rule.alpha})"),
+        sig,
         _upper("invalid_rate", mc.invalid_rate, mb.invalid_rate + rule.invalid_tolerance,
                mb.invalid_rate, "invalid-output rate"),
         _upper("unsafe_rate", mc.unsafe_rate, mb.unsafe_rate + rule.unsafe_tolerance,
@@ -150,8 +225,7 @@ def decide(cand: EvalRun, base: EvalRun, rule: Rule) -> GateDecision:
                   - rule.reward_tolerance,
                   detail=f"mean reward {mb.mean_reward:.3f} → {mc.mean_reward:.3f} "
                          f"(may drop at most {rule.reward_tolerance})"),
-        _ratio("latency_p95", mc.latency_p95_ms, mb.latency_p95_ms, rule.latency_p95_ratio,
-               "p95 latency (ms)"),
+        _latency(mc, mb, probe, rule.latency_p95_ratio),
         _ratio("tokens_per_task", mc.tokens_per_task, mb.tokens_per_task, rule.tokens_ratio,
                "tokens per task"),
     ]
@@ -170,13 +244,44 @@ def decide(cand: EvalRun, base: EvalRun, rule: Rule) -> GateDecision:
         reasons = [f"promote: {checks[1].detail}; {checks[2].detail}; no guard metric or task "
                    "group regressed beyond its tolerance"]
     thresholds = {k: float(getattr(rule, k)) for k in _THRESHOLDS}
+    thresholds["design_gain"] = rule.target_gain
+    observed = paired_discordance(counts)
+    record = power.report(
+        rule, tasks=len(base.task_groups), discordance=observed,
+        source=f"observed on this evaluation's {sum(c.pairs for c in counts)} pairs",
+        production_success=mb.success_rate if mb.samples else None)
     return GateDecision(recommendation="reject" if failed else "promote", candidate=mc,
                         baseline=mb, test=rule.test, statistic=statistic, p_value=p,
-                        thresholds=thresholds, checks=checks, reasons=reasons)
+                        thresholds=thresholds, checks=checks, reasons=reasons, power=record,
+                        sequential=seq, latency="paired_probe" if probe else "attempts",
+                        latency_probe=probe)
 
 
-_THRESHOLDS = ("min_gain", "alpha", "invalid_tolerance", "unsafe_tolerance", "reward_tolerance",
-               "latency_p95_ratio", "tokens_ratio", "group_tolerance", "group_min_samples")
+_THRESHOLDS = ("min_gain", "alpha", "power", "futility", "invalid_tolerance",
+               "unsafe_tolerance", "reward_tolerance", "latency_p95_ratio", "tokens_ratio",
+               "group_tolerance", "group_min_samples", "samples_per_task", "round_samples")
+
+
+def latency_probe(probes: Sequence[tuple[list[float], list[float]]]) -> LatencyProbe | None:
+    """The paired probes of an evaluation (candidate ms, production ms per probe); None when
+    no probe has attempts on both sides."""
+    paired = [(c, b) for c, b in probes if c and b]
+    if not paired:
+        return None
+    cand = [x for c, _ in paired for x in c]
+    base = [x for _, b in paired for x in b]
+    return LatencyProbe(pairs=len(paired), candidate_p95_ms=_p95(cand),
+                        production_p95_ms=_p95(base), candidate_mean_ms=statistics.fmean(cand),
+                        production_mean_ms=statistics.fmean(base))
+
+
+def _latency(mc: GateMetrics, mb: GateMetrics, probe: LatencyProbe | None,
+             ratio: float) -> GateCheck:
+    if probe is None:
+        return _ratio("latency_p95", mc.latency_p95_ms, mb.latency_p95_ms, ratio,
+                      "p95 latency (ms, each side's own attempts)")
+    return _ratio("latency_p95", probe.candidate_p95_ms, probe.production_p95_ms, ratio,
+                  f"p95 latency (ms, {probe.pairs} paired probes)")
 
 
 def _upper(name: str, value: float, limit: float, before: float, label: str) -> GateCheck:

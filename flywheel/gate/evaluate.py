@@ -1,10 +1,12 @@
-"""Holdout evaluation of one policy version: k attempts per frozen holdout task, fixed seeds.
+"""Holdout evaluation of one policy version, round by round, with fixed seeds.
 
-Both sides of a comparison are sampled by this one function with the same prompts, the same
-per-task seeds and the same sampling settings, so their attempts pair up by (task, index).
-A run is cached in `eval_runs` under a key of everything that determines it (policy,
-version, eval-set version, gate sampling settings, engine), so production is sampled once,
-not once per candidate.
+A round samples every frozen holdout task `round_samples` times; round r of a task uses
+the sample indices r·s … r·s + s − 1 and a seed derived from the task and r. Both sides of a
+comparison are sampled by this one function with the same prompts, seeds and sampling
+settings, so their attempts pair up by (task, index). Each round of a side is cached in
+`eval_runs` under a key of everything that determines it (policy, version, eval-set version,
+gate sampling settings, engine) plus the round, so production is sampled once per index
+however many candidates it meets, and an evaluation that goes deeper extends its cache.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from __future__ import annotations
 import hashlib
 import json
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from flywheel.adapters.lifecycle import version_label
 from flywheel.adapters.registry import newest_eval_set
 from flywheel.config import Settings
 from flywheel.environments import load_environment
@@ -64,9 +67,9 @@ def task_groups(task: TaskSpec) -> list[str]:
     return groups
 
 
-def _attempt(task: TaskSpec, r: ScoredRollout) -> Attempt:
+def _attempt(task: TaskSpec, r: ScoredRollout, offset: int = 0) -> Attempt:
     reward = r.reward or 0.0
-    return Attempt(task=str(task.task_id), index=r.index,
+    return Attempt(task=str(task.task_id), index=offset + r.index,
                    success=r.failure_mode is None and reward >= 1.0, reward=reward,
                    invalid=r.failure_mode == "invalid_format",
                    unsafe=r.failure_mode == "unsafe_action"
@@ -78,38 +81,109 @@ def run_key(settings: Settings, version: int | None, holdout: Holdout) -> str:
     g, r = settings.gate, settings.rollout
     parts = {"policy": settings.policy, "version": version, "eval_set": holdout.eval_set_version,
              "envs": sorted(r.envs),
-             "tasks": [str(t.task_id) for t in holdout.tasks], "k": g.samples_per_task,
+             "tasks": [str(t.task_id) for t in holdout.tasks], "round_samples": g.round_samples,
              "temperature": g.temperature, "seed": g.seed, "max_tokens": r.max_tokens,
              "max_steps": r.max_steps, "engine": r.engine, "model": str(r.model_dir)}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
-async def evaluate(policy: Policy, holdout: Holdout, adapter: AdapterRef | None,
-                   settings: Settings) -> EvalRun:
+def round_key(key: str, round_: int) -> str:
+    """The cache key of one round of the run `key`."""
+    return f"{key}/r{round_}"
+
+
+def round_seed(settings: Settings, task: TaskSpec, round_: int) -> int:
+    """The seed of round `round_` of `task`: the same on every side and every evaluation."""
+    return (settings.gate.seed ^ zlib.crc32(task.task_id.bytes)) + 1_000_003 * round_
+
+
+def _config(settings: Settings) -> GroupConfig:
     g, r = settings.gate, settings.rollout
-    cfg = GroupConfig(group_size=g.samples_per_task, max_tokens=r.max_tokens,
-                      temperature=g.temperature, max_steps=r.max_steps,
-                      rollout_timeout_s=r.rollout_timeout_s, min_scored=1)
+    return GroupConfig(group_size=g.round_samples, max_tokens=r.max_tokens,
+                       temperature=g.temperature, max_steps=r.max_steps,
+                       rollout_timeout_s=r.rollout_timeout_s, min_scored=1)
+
+
+async def evaluate(policy: Policy, holdout: Holdout, adapter: AdapterRef | None,
+                   settings: Settings, round_: int = 0) -> EvalRun:
+    """Round `round_` of `adapter` (None = the base model) on every holdout task."""
+    s = settings.gate.round_samples
+    cfg = _config(settings)
     attempts: list[Attempt] = []
     not_run = 0
     for task in holdout.tasks:
-        seed = g.seed ^ zlib.crc32(task.task_id.bytes)
         outcome = await run_group(policy, task, load_environment(task.env), cfg,
-                                  adapter=adapter, seed=seed, group_key=f"eval-{task.task_id}")
+                                  adapter=adapter, seed=round_seed(settings, task, round_),
+                                  group_key=f"eval-{task.task_id}-r{round_}")
         for rollout in outcome.rollouts:
             if rollout.reward is None:
                 not_run += 1
             else:
-                attempts.append(_attempt(task, rollout))
+                attempts.append(_attempt(task, rollout, round_ * s))
     return EvalRun(version=adapter.version if adapter else None,
                    task_groups={str(t.task_id): task_groups(t) for t in holdout.tasks},
                    attempts=attempts, not_run=not_run)
+
+
+async def probe_latency(policy: Policy, task: TaskSpec, candidate: AdapterRef | None,
+                        production: AdapterRef | None, settings: Settings, round_: int
+                        ) -> tuple[list[float], list[float]]:
+    """Latencies (ms) of one attempt at `task` on each side, back to back with the same
+    seed, the side that goes first alternating by round: whatever else loads the machine
+    then slows both alike. (candidate attempts, production attempts)."""
+    cfg = replace(_config(settings), group_size=1)
+    seed = round_seed(settings, task, round_)
+    env = load_environment(task.env)
+    sides = [(candidate, 0), (production, 1)]
+    found: list[list[float]] = [[], []]
+    for adapter, side in sides if round_ % 2 == 0 else sides[::-1]:
+        outcome = await run_group(policy, task, env, cfg, adapter=adapter, seed=seed,
+                                  group_key=f"probe-{task.task_id}-r{round_}-{side}")
+        found[side] = [r.latency_ms for r in outcome.rollouts if r.reward is not None]
+    return found[0], found[1]
 
 
 async def cached_run(conn: AsyncConnection, key: str) -> EvalRun | None:
     data = (await conn.execute(text("SELECT result FROM eval_runs WHERE key = :k"),
                                {"k": key})).scalar()
     return EvalRun.from_json(data) if data is not None else None
+
+
+async def cached_rounds(conn: AsyncConnection, key: str, rounds: int) -> dict[int, EvalRun]:
+    """The cached rounds among the first `rounds` of the run `key`, by round."""
+    keys = {round_key(key, r): r for r in range(rounds)}
+    rows = (await conn.execute(text("SELECT key, result FROM eval_runs WHERE key = ANY(:k)"),
+                               {"k": list(keys)})).all()
+    return {keys[k]: EvalRun.from_json(data) for k, data in rows}
+
+
+async def production_samples(conn: AsyncConnection, policy: str, version: int | None,
+                             eval_set_version: int | None = None
+                             ) -> tuple[dict[str, list[bool]], str] | None:
+    """Success of every cached attempt of `version` per task — on `eval_set_version`, or
+    (None) on the newest eval set it has any on — and where they came from, in words; the
+    run with the most cached rounds if several configurations were evaluated."""
+    rows = (await conn.execute(text("""SELECT key, eval_set_version, result FROM eval_runs
+        WHERE policy = :p AND version IS NOT DISTINCT FROM CAST(:v AS int)
+          AND (CAST(:e AS int) IS NULL OR eval_set_version = :e)
+        ORDER BY eval_set_version DESC"""),
+        {"p": policy, "v": version, "e": eval_set_version})).all()
+    if not rows:
+        return None
+    newest = rows[0].eval_set_version
+    runs: dict[str, list[EvalRun]] = {}
+    for row in rows:
+        if row.eval_set_version == newest:
+            runs.setdefault(row.key.rsplit("/r", 1)[0], []).append(
+                EvalRun.from_json(row.result))
+    chosen = max(runs.values(), key=len)
+    by_task: dict[str, list[bool]] = {}
+    for run in chosen:
+        for a in run.attempts:
+            by_task.setdefault(a.task, []).append(a.success)
+    samples = sum(len(v) for v in by_task.values())
+    return by_task, (f"{version_label(version)}'s own between-sample disagreement on its "
+                     f"{samples} cached samples of eval set v{newest}")
 
 
 async def store_run(conn: AsyncConnection, key: str, policy: str, holdout: Holdout,

@@ -1,13 +1,18 @@
-"""The gate's work on one candidate: evaluate both sides on the frozen holdout, decide, record.
+"""The gate's work on one candidate: evaluate both sides round by round, decide, record.
 
 Idempotent: a candidate that is no longer `candidate` (already evaluated, decided) is
-skipped, so a redelivered `AdapterTrained` is a no-op. The evaluations themselves are cached
-per (version, eval set, gate settings), so production is sampled once for many candidates.
+skipped, so a redelivered `AdapterTrained` is a no-op. Every round of every side is cached
+per (version, eval set, gate settings, round), so production is sampled once per sample
+index for many candidates, and a restarted gate resumes an evaluation where it stopped.
+The sequential test looks after every round and stops at a clear outcome; progress goes to
+`gate_status` (`flywheel.gate.progress`) for status, metrics, the dashboard and the trainer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import uuid
 from typing import Any
 
@@ -16,17 +21,21 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from flywheel.adapters import lifecycle, registry
 from flywheel.adapters.resolver import AdapterResolver
 from flywheel.config import Settings
-from flywheel.events import AdapterEvaluatedPayload, AdapterTrainedPayload, Event
-from flywheel.gate.decision import EvalRun, decide
+from flywheel.events import AdapterEvaluatedPayload, AdapterTrainedPayload, Event, LatencyProbe
+from flywheel.gate import sequential
+from flywheel.gate.decision import EvalRun, decide, latency_probe, round_counts
 from flywheel.gate.evaluate import (
     Holdout,
     cached_run,
     evaluate,
     load_holdout,
+    probe_latency,
+    round_key,
     run_key,
     store_run,
 )
-from flywheel.policy.base import Policy
+from flywheel.gate.progress import Progress, eval_set_power
+from flywheel.policy.base import AdapterRef, Policy
 
 log = logging.getLogger("flywheel.gate")
 
@@ -36,24 +45,35 @@ class GateService:
         self.settings, self.engine, self.policy = settings, engine, policy
         self.name = settings.policy
         self.adapters = AdapterResolver(engine, settings)
+        self.progress = Progress(engine, self.name)
+        # One activity at a time (a baseline, an evaluation): they share the policy engine
+        # and the one status row.
+        self.busy = asyncio.Lock()
 
-    async def run_for(self, version: int | None, holdout: Holdout) -> EvalRun:
-        """The holdout run of `version` (None = base model), from the cache or sampled."""
-        key = run_key(self.settings, version, holdout)
+    async def _adapter(self, version: int | None) -> AdapterRef | None:
+        adapter = await self.adapters(version)
+        if adapter is not None:
+            await self.policy.ensure_adapter(adapter)
+        return adapter
+
+    async def round_for(self, version: int | None, adapter: AdapterRef | None,
+                        holdout: Holdout, round_: int) -> EvalRun:
+        """Round `round_` of `version` (None = base model), from the cache or sampled."""
+        key = round_key(run_key(self.settings, version, holdout), round_)
         async with self.engine.connect() as conn:
             cached = await cached_run(conn, key)
         if cached is not None:
             return cached
-        adapter = await self.adapters(version)
-        if adapter is not None:
-            await self.policy.ensure_adapter(adapter)
-        log.info("evaluating %s on %d holdout tasks (eval set v%d, k=%d)",
-                 lifecycle.version_label(version),
-                 len(holdout.tasks), holdout.eval_set_version, self.settings.gate.samples_per_task)
-        run = await evaluate(self.policy, holdout, adapter, self.settings)
+        run = await evaluate(self.policy, holdout, adapter, self.settings, round_)
         async with self.engine.begin() as conn:
             await store_run(conn, key, self.name, holdout, run)
         return run
+
+    async def run_for(self, version: int | None, holdout: Holdout, rounds: int) -> EvalRun:
+        """The first `rounds` rounds of `version` as one run."""
+        adapter = await self._adapter(version)
+        return EvalRun.combine([await self.round_for(version, adapter, holdout, r)
+                                for r in range(rounds)])
 
     async def baseline(self, *, force: bool = False) -> dict[str, Any] | None:
         """Measure the base model (and production) on the newest eval set and record the
@@ -61,33 +81,53 @@ class GateService:
         from flywheel.gate.baseline import store_baseline
         from flywheel.gate.decision import metrics
 
+        g = self.settings.gate
         async with self.engine.connect() as conn:
-            holdout = await load_holdout(conn, self.settings.gate.max_tasks,
-                                         self.settings.rollout.envs)
-            if not force and await registry.latest_baseline(conn, self.name,
-                                                            holdout.eval_set_version):
-                return None
+            holdout = await load_holdout(conn, g.max_tasks, self.settings.rollout.envs)
+            done = await registry.latest_baseline(conn, self.name, holdout.eval_set_version)
             production = await registry.production_version(conn, self.name)
-        base = metrics(await self.run_for(None, holdout))
-        prod = metrics(await self.run_for(production, holdout)) if production else None
+        if done and not force:
+            await self.refresh_power(holdout)
+            return None
+        rounds = min(g.max_rounds, math.ceil(g.baseline_samples_per_task / g.round_samples))
+        sides = 1 + (production is not None)
+        async with self.busy, self.progress.activity(
+                "baseline", eval_set_version=holdout.eval_set_version, rounds_planned=rounds,
+                samples_planned=rounds * g.round_samples * len(holdout.tasks) * sides,
+                detail=f"measuring the base model on eval set v{holdout.eval_set_version} "
+                       "(the trainer waits for it)"):
+            base = metrics(await self.run_for(None, holdout, rounds))
+            prod = metrics(await self.run_for(production, holdout, rounds)) \
+                if production else None
         async with self.engine.begin() as conn:
             record = await store_baseline(conn, self.name, holdout.eval_set_version, base, prod,
-                                          self.settings.gate)
+                                          g)
         log.info("baseline on eval set v%d: base success %.2f, invalid %.2f → %s (%s)",
                  holdout.eval_set_version, base.success_rate, base.invalid_rate,
                  record["recommendation"], record["reason"])
+        await self.refresh_power(holdout)
         return record
+
+    async def refresh_power(self, holdout: Holdout) -> None:
+        """Recompute what the eval set can see from production's cached samples on it.
+        A failure here is logged, never raised: reporting must not hold up a decision."""
+        try:
+            async with self.engine.connect() as conn:
+                found = await eval_set_power(conn, self.settings, holdout)
+            await self.progress.power(found)
+        except Exception as err:
+            log.warning("could not update the eval set's power record: %s", err)
 
     async def _status(self, version: int) -> tuple[str | None, int | None]:
         async with self.engine.connect() as conn:
             status = await registry.version_status(conn, self.name, version)
-            newest = await registry.newest_version(conn, self.name)
+            newest = await registry.newest_candidate(conn, self.name)
         return status, newest
 
     async def on_trained(self, trained: AdapterTrainedPayload) -> list[Event]:
         """Gate one published candidate (called for every `AdapterTrained`)."""
-        if trained.policy != self.name:
-            return []
+        if trained.policy != self.name or not trained.gate:
+            return []  # another policy's, or a sampling snapshot the trainer did not propose
         status, newest = await self._status(trained.version)
         if status != "candidate":
             return []  # already evaluated or decided (a redelivery)
@@ -112,10 +152,9 @@ class GateService:
                 production = await registry.production_version(conn, self.name)
             if production == version:
                 raise lifecycle.LifecycleError(f"v{version} is production already")
-            candidate = await self.run_for(version, holdout)
-            baseline = await self.run_for(production, holdout)
+            candidate, baseline, probe = await self._rounds(version, production, holdout)
             payload = decision_payload(self.settings, version, production,
-                                       holdout.eval_set_version, candidate, baseline)
+                                       holdout.eval_set_version, candidate, baseline, probe)
             try:
                 async with self.engine.begin() as conn:
                     events = await lifecycle.record_evaluation(
@@ -124,16 +163,67 @@ class GateService:
                 log.warning("%s; evaluating again against the new production", err)
                 continue
             log.info("v%d: %s", version, " ".join(payload.reasons))
+            if payload.power is not None and payload.power.warning:
+                log.warning("v%d's evaluation: %s", version, payload.power.warning)
+            await self.refresh_power(holdout)
             return events
         raise lifecycle.Conflict(f"production kept moving while v{version} was evaluated")
 
+    async def _rounds(self, version: int, production: int | None, holdout: Holdout
+                      ) -> tuple[EvalRun, EvalRun, LatencyProbe | None]:
+        """Sample both sides round by round until the sequential test stops (or the
+        budget is spent; the fixed tests always spend it), probing latency each round."""
+        g = self.settings.gate
+        cand_ref, prod_ref = await self._adapter(version), await self._adapter(production)
+        n, vs = len(holdout.tasks), lifecycle.version_label(production)
+        log.info("evaluating v%d against %s on %d holdout tasks (eval set v%d): rounds of %d "
+                 "per task, budget k = %d", version, vs, n, holdout.eval_set_version,
+                 g.round_samples, g.max_rounds * g.round_samples)
+        cand: list[EvalRun] = []
+        base: list[EvalRun] = []
+        probes: list[tuple[list[float], list[float]]] = []
+        async with self.busy, self.progress.activity(
+                "evaluating", version=version, baseline_version=production,
+                eval_set_version=holdout.eval_set_version, rounds_planned=g.max_rounds,
+                samples_planned=g.max_rounds * g.round_samples * n,
+                detail=f"v{version} against {vs}"):
+            for r in range(g.max_rounds):
+                cand.append(await self.round_for(version, cand_ref, holdout, r))
+                base.append(await self.round_for(production, prod_ref, holdout, r))
+                if n:
+                    probes.append(await probe_latency(self.policy, holdout.tasks[r % n],
+                                                      cand_ref, prod_ref, self.settings, r))
+                stop, detail = self._look(cand, base, r)
+                log.info("v%d round %d/%d: %s", version, r + 1, g.max_rounds, detail)
+                await self.progress.round_done(
+                    r + 1, sum(len(c.attempts) + c.not_run for c in cand), detail)
+                if stop:
+                    break
+        return EvalRun.combine(cand), EvalRun.combine(base), latency_probe(probes)
+
+    def _look(self, cand: list[EvalRun], base: list[EvalRun], r: int) -> tuple[bool, str]:
+        """(stop now?, progress in words) after round `r`."""
+        g = self.settings.gate
+        counts = round_counts(EvalRun.combine(cand), EvalRun.combine(base), g.round_samples)
+        if g.test != "sequential":
+            pairs = sum(c.pairs for c in counts)
+            return False, f"{pairs} pairs (fixed design: all {g.max_rounds} rounds)"
+        out = sequential.run(counts, g)
+        if not out.rounds:
+            return False, "no paired attempts yet"
+        last = out.rounds[-1]
+        return out.stop is not None, (
+            f"{last.pairs} pairs, gain {last.gain:+.3f}, e-value {last.e_value:.3g} "
+            f"(promote at {1 / g.alpha:g}), futility {last.e_futility:.3g}"
+            + (f" → {out.stop}" if out.stop else ""))
+
 
 def decision_payload(settings: Settings, version: int, production: int | None,
-                     eval_set_version: int, candidate: EvalRun, baseline: EvalRun
-                     ) -> AdapterEvaluatedPayload:
+                     eval_set_version: int, candidate: EvalRun, baseline: EvalRun,
+                     probe: LatencyProbe | None = None) -> AdapterEvaluatedPayload:
     """The decision record of `candidate` against `baseline` under the configured rule."""
     return AdapterEvaluatedPayload(
-        **dict(decide(candidate, baseline, settings.gate)), evaluation_id=uuid.uuid4(),
+        **dict(decide(candidate, baseline, settings.gate, probe)), evaluation_id=uuid.uuid4(),
         policy=settings.policy, version=version, baseline_version=production,
         eval_set_version=eval_set_version, mode=settings.gate.mode)
 

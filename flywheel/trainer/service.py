@@ -36,6 +36,7 @@ from flywheel.errors import InvalidRecord, failure_of, is_transient
 from flywheel.events import AdapterTrained, AdapterTrainedPayload, GroupScored
 from flywheel.runtime.consume import RetryPolicy, read_event, transiently
 from flywheel.trainer import store
+from flywheel.trainer.baseline_wait import wait_for_baseline
 from flywheel.trainer.grpo import GRPOConfig
 
 if TYPE_CHECKING:  # torch stays lazy: these import it
@@ -81,6 +82,8 @@ class TrainerState:
     step_started_at: float | None = None
     stale_dropped: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    note: str | None = None
+    """A decision the status keeps showing (e.g. why there was no SFT warm start)."""
 
 
 def on_all_cores(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -121,6 +124,7 @@ class TrainerService:
         self.consumed: dict[TopicPartition, int] = {}  # next offset per partition, all seen
         self.steps_since_publish = 0
         self.stale_since_publish = 0
+        self.groups_since_candidate = 0
         self.status = TrainerState()
         self.retry = RetryPolicy.of(settings.retry)
 
@@ -138,6 +142,7 @@ class TrainerService:
 
         async with self.engine.connect() as conn:
             self.version = await registry.newest_version(conn, self.policy)
+            self.groups_since_candidate = await store.groups_since_candidate(conn, self.policy)
         # Storage calls run off the event loop (S3: listings, downloads, hashing), so the
         # heartbeat keeps reporting meanwhile.
         published = await asyncio.to_thread(self.store.versions, self.policy)
@@ -175,29 +180,24 @@ class TrainerService:
 
         t = self.settings.trainer
         self.status.state = "warm_start"
-        self.status.detail = "waiting for the gate's baseline on the frozen holdout"
-        log.info("%s (up to %.0fs)", self.status.detail, t.baseline_wait_s)
-        deadline = time.monotonic() + t.baseline_wait_s
-        baseline = None
-        while time.monotonic() < deadline:
-            async with self.engine.connect() as conn:
-                baseline = await registry.latest_baseline(conn, self.policy)
-            if baseline is not None:
-                break
-            await asyncio.sleep(2.0)
+        baseline = await self._wait_for_baseline()
         if baseline is None:
-            log.warning("no baseline after %.0fs (is the gate running, is an eval set "
-                        "frozen?): starting GRPO from the base model", t.baseline_wait_s)
+            self._decided(f"no baseline after {t.baseline_wait_s:.0f}s and none in progress "
+                          "(is the gate running, is an eval set frozen?): GRPO starts from "
+                          "the base model, without the SFT warm start", loud=True)
             return None
         log.info("baseline recommends %s: %s", baseline["recommendation"], baseline["reason"])
         if baseline["recommendation"] != "sft":
+            self._decided(f"no SFT warm start: the baseline recommends "
+                          f"{baseline['recommendation']} ({baseline['reason']})")
             return None
         async with self.engine.connect() as conn:
             demos = await load_demonstrations(conn, limit=t.sft_max_demos,
                                               holdout_fraction=self.settings.miner.holdout_fraction)
         if not demos:
-            log.warning("SFT recommended but there are no demonstrations (successful or "
-                        "corrected trajectories) yet: starting GRPO from the base model")
+            self._decided("SFT recommended but there are no demonstrations (successful or "
+                          "corrected trajectories) yet: GRPO starts from the base model",
+                          loud=True)
             return None
         # Sampling is held while the warm start runs (see the scheduler) and the gate is
         # idle once the baseline is in: the trainer may use every core meanwhile.
@@ -205,6 +205,18 @@ class TrainerService:
         # GRPO starts with fresh optimizer moments, resumed or not (the state is published).
         await asyncio.to_thread(self.started.reset_optimizer)
         return await self.publish(None, stage="sft", demos=len(demos))
+
+    async def _wait_for_baseline(self) -> dict[str, Any] | None:
+        def report(detail: str) -> None:
+            self.status.detail = detail
+
+        return await wait_for_baseline(self.engine, self.policy,
+                                       self.settings.trainer.baseline_wait_s, report)
+
+    def _decided(self, note: str, *, loud: bool = False) -> None:
+        """A warm-start decision, in the log and kept in the status."""
+        (log.warning if loud else log.info)("%s", note)
+        self.status.note, self.status.detail = note, None
 
     async def _sft(self, demos: list[Demonstration]) -> None:
         from flywheel.trainer.sft import sft_batches
@@ -263,7 +275,7 @@ class TrainerService:
                 parked = True
                 continue
             if self.steps_since_publish >= self.settings.trainer.publish_every:
-                await self.publish(consumer)
+                await self.publish(consumer, gate=await self._propose())
         if self.stale:
             await self._record_stale(consumer)
         elif parked:
@@ -311,6 +323,17 @@ class TrainerService:
                  metrics.get("loss", 0.0), metrics.get("reward_mean", 0.0),
                  metrics.get("clip_frac", 0.0), metrics.get("tokens_per_s", 0.0))
 
+    async def _propose(self) -> bool:
+        """Whether the next GRPO version goes to the gate (`propose_min_groups`): enough
+        new training since the last candidate, and no earlier candidate still waiting."""
+        need = self.settings.trainer.propose_min_groups
+        if need == 0:
+            return True
+        if self.groups_since_candidate + len(self.trained) < need:
+            return False
+        async with self.engine.connect() as conn:
+            return await registry.candidates_waiting(conn, self.policy) == 0
+
     def _committable(self) -> dict[TopicPartition, int]:
         """Per partition: everything before the first group not yet durable — waiting in the
         batch, or trained into weights that are not published yet."""
@@ -337,8 +360,10 @@ class TrainerService:
         await self._commit(consumer)
 
     async def publish(self, consumer: AIOKafkaConsumer | None, *,
-                      stage: Literal["sft", "grpo"] = "grpo", demos: int = 0) -> int:
-        """Write the adapter atomically, register it, emit AdapterTrained, then commit."""
+                      stage: Literal["sft", "grpo"] = "grpo", demos: int = 0,
+                      gate: bool = True) -> int:
+        """Write the adapter atomically, register it, emit AdapterTrained, then commit.
+        `gate` False: a snapshot for sampling, not proposed to the gate."""
         version = (self.version or 0) + 1
         self.store.staging_dir.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".staging-v{version}-",
@@ -356,7 +381,7 @@ class TrainerService:
         payload = AdapterTrainedPayload(
             policy=self.policy, version=version, parent_version=self.version,
             path=str(ref.path), stage=stage, steps=self.started.steps, groups=len(ids),
-            stale_dropped=self.stale_since_publish, metrics=self.status.metrics)
+            stale_dropped=self.stale_since_publish, metrics=self.status.metrics, gate=gate)
         event = AdapterTrained(aggregate_id=f"{self.policy}@v{version}", payload=payload)
         async with self.engine.begin() as conn:
             await project(conn, event)  # registers the version (a projection of the event)
@@ -364,10 +389,12 @@ class TrainerService:
             await append_events(conn, [event], self.settings.topics)
         self.version, self.trained, self.steps_since_publish = version, [], 0
         self.stale_since_publish = 0
+        self.groups_since_candidate = 0 if gate else self.groups_since_candidate + len(ids)
         if consumer is not None:
             await self._commit(consumer)
         await self._retain()
-        log.info("published %s@v%d (%s, %d groups)", self.policy, version, stage, len(ids))
+        log.info("published %s@v%d (%s, %d groups%s)", self.policy, version, stage, len(ids),
+                 "" if gate else "; a snapshot for sampling, not proposed to the gate")
         return version
 
     async def _retain(self) -> None:
@@ -427,7 +454,7 @@ class TrainerService:
             return ("starved", f"no scored groups for {now - s.last_group_at:.0f}s "
                     f"({len(self.batch)} of {self.settings.rollout.train_batch_groups} "
                     "waiting): are rollout workers running?")
-        return s.state, s.detail
+        return s.state, s.detail or s.note
 
     async def heartbeat(self) -> None:
         state, detail = self.watch()

@@ -58,3 +58,12 @@ async def trainer_state(conn: AsyncConnection, policy: str) -> str | None:
     state = (await conn.execute(text("SELECT state FROM trainer_status WHERE policy = :p"),
                                 {"p": policy})).scalar()
     return None if state is None else str(state)
+
+
+async def groups_since_candidate(conn: AsyncConnection, policy: str) -> int:
+    """Groups trained into the snapshots published since the newest version proposed to
+    the gate (what the next proposal adds on top of it; `trainer.propose_min_groups`)."""
+    return int((await conn.execute(text("""SELECT coalesce(sum(groups), 0) FROM adapter_versions
+        WHERE policy = :p AND status = 'snapshot' AND version > coalesce(
+            (SELECT max(version) FROM adapter_versions
+             WHERE policy = :p AND status <> 'snapshot'), 0)"""), {"p": policy})).scalar_one())

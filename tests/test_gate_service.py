@@ -1,0 +1,157 @@
+"""The gate service's rounds on real Postgres, with the sampling replaced by known success
+rates (no model): it stops when the test is clear, caches every round of every side so
+production is sampled once per index, reports its progress and records what it could see."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from flywheel.adapters import lifecycle, registry
+from flywheel.config import Settings
+from flywheel.db.outbox import append_events
+from flywheel.demo.samples import TOOLS
+from flywheel.events import AdapterTrained, AdapterTrainedPayload
+from flywheel.gate import service as gate_service
+from flywheel.gate.decision import Attempt, EvalRun
+from flywheel.gate.evaluate import Holdout, task_groups
+from flywheel.mining.store import freeze_eval_set, store_task
+from flywheel.policy.base import AdapterRef
+from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
+
+pytestmark = [pytest.mark.postgres]
+RATES = {None: 0.1, 1: 0.6, 2: 0.6}
+"""Success rate of each version (None = the base model): v1 is clearly better than the
+base model, v2 the same as v1."""
+
+
+class FakePolicy:
+    async def ensure_adapter(self, adapter: AdapterRef) -> None:
+        pass
+
+
+class Sampler:
+    """Stands in for `evaluate`: each attempt succeeds with its version's rate, drawn from
+    (version, task, sample index); records which rounds were sampled and what the status
+    row said meanwhile."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.calls: list[tuple[int | None, int]] = []
+        self.seen: list[dict[str, Any]] = []
+
+    async def __call__(self, policy: Any, holdout: Holdout, adapter: AdapterRef | None,
+                       settings: Settings, round_: int = 0) -> EvalRun:
+        version = adapter.version if adapter else None
+        self.calls.append((version, round_))
+        async with self.engine.connect() as conn:
+            self.seen.append(dict(await registry.gate_activity(conn, settings.policy) or {}))
+        s = settings.gate.round_samples
+        attempts = []
+        for task in holdout.tasks:
+            for j in range(round_ * s, round_ * s + s):
+                rng = random.Random(f"{version}/{task.task_id}/{j}")
+                ok = rng.random() < RATES[version]
+                attempts.append(Attempt(str(task.task_id), j, ok, float(ok), False, False,
+                                        50.0, 10))
+        return EvalRun(version, {str(t.task_id): task_groups(t) for t in holdout.tasks},
+                       attempts)
+
+
+async def _probe(*args: Any) -> tuple[list[float], list[float]]:
+    return [50.0], [48.0]
+
+
+async def _train(engine: AsyncEngine, settings: Settings, version: int) -> None:
+    event = AdapterTrained(aggregate_id=f"policy@v{version}", payload=AdapterTrainedPayload(
+        policy="policy", version=version, parent_version=version - 1 or None,
+        path=f"/adapters/v{version}", stage="grpo", steps=version, groups=8, stale_dropped=0,
+        metrics={}))
+    async with engine.begin() as conn:
+        await lifecycle.project(conn, event)
+        await append_events(conn, [event], settings.topics)
+
+
+async def test_rounds_stop_when_clear_and_production_is_sampled_once_per_index(
+        engine: AsyncEngine, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = settings.model_copy(update={"gate": settings.gate.model_copy(update={
+        "samples_per_task": 20, "round_samples": 2, "group_min_samples": 10_000})})
+    async with engine.begin() as conn:
+        for i in range(10):
+            task = TaskSpec(task_id=uuid.uuid4(), env="tool_call", tools=TOOLS,
+                            messages=[{"role": "user", "content": f"Weather in city {i}?"}],
+                            verifier=ToolCallSpec(expected=ExpectedCall(
+                                name="get_weather", arguments={"city": f"c{i}"})),
+                            failure_mode="bad_arguments", fingerprint=f"h{i}",
+                            split="holdout")
+            await store_task(conn, task, uuid.uuid4(), "human_correction", s.topics)
+        await freeze_eval_set(conn, s.topics)
+    sampler = Sampler(engine)
+    monkeypatch.setattr(gate_service, "evaluate", sampler)
+    monkeypatch.setattr(gate_service, "probe_latency", _probe)
+    gate = gate_service.GateService(s, engine, FakePolicy())  # type: ignore[arg-type]
+    gate.adapters = lambda v: _ref(v)  # type: ignore[assignment,method-assign]
+
+    await _train(engine, s, 1)
+    events = await gate.evaluate_version(1)
+    assert [e.type for e in events] == ["AdapterEvaluated", "AdapterPromoted"]
+    record = events[0].payload
+    assert record.sequential is not None and record.sequential.stop == "win"
+    used = len(record.sequential.rounds)
+    assert used < s.gate.max_rounds  # a clear win stops early
+    assert sorted(sampler.calls, key=str) == sorted(
+        [(1, r) for r in range(used)] + [(None, r) for r in range(used)], key=str)
+    assert record.latency == "paired_probe" and record.latency_probe is not None
+    assert record.power is not None and record.power.tasks == 10
+    # While it ran, the status said so and counted the candidate's samples.
+    during = [x for x in sampler.seen if x.get("state") == "evaluating"]
+    assert during and during[-1]["version"] == 1 and during[-1]["samples_planned"] == 200
+    assert during[-1]["samples_done"] == 20 * (used - 1)
+
+    # v2 against production v1: v1's first rounds are cached from its own evaluation.
+    await _train(engine, s, 2)
+    sampler.calls.clear()
+    events = await gate.evaluate_version(2)
+    second = events[0].payload
+    assert second.recommendation == "reject" and second.sequential is not None
+    assert second.sequential.stop in ("futility", "budget"), second.sequential.reason
+    deeper = len(second.sequential.rounds)
+    assert sorted(c for c in sampler.calls if c[0] == 2) == [(2, r) for r in range(deeper)]
+    assert sorted(c for c in sampler.calls if c[0] == 1) == [(1, r)
+                                                             for r in range(used, deeper)]
+    async with engine.connect() as conn:
+        rows = (await conn.execute(text("""SELECT coalesce(version, 0), count(*)
+            FROM eval_runs GROUP BY 1 ORDER BY 1"""))).all()
+        status = await registry.gate_activity(conn, s.policy)
+    assert [tuple(r) for r in rows] == [(0, used), (1, max(used, deeper)), (2, deeper)]
+    assert status is not None and status["state"] == "idle"
+    assert status["power"]["discordance_source"].startswith("v1's own between-sample")
+
+    # An evaluation restarted later samples nothing it has already sampled.
+    sampler.calls.clear()
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE adapter_versions SET status = 'evaluated' "
+                                "WHERE version = 2"))
+    again = gate_service.decision_payload(s, 2, 1, 1, *(await _replay(gate, s)))
+    assert sampler.calls == [] and again.sequential == second.sequential
+
+
+def _ref(version: int | None) -> Any:
+    async def go() -> AdapterRef | None:
+        return None if version is None else AdapterRef("policy", version, Path("/x"))
+    return go()
+
+
+async def _replay(gate: gate_service.GateService, s: Settings) -> tuple[EvalRun, EvalRun]:
+    from flywheel.gate.evaluate import load_holdout
+
+    async with gate.engine.connect() as conn:
+        holdout = await load_holdout(conn)
+    cand, base, _ = await gate._rounds(2, 1, holdout)
+    return cand, base
