@@ -55,7 +55,7 @@ async def sweep(engine: AsyncEngine) -> outcomes.FeedbackStats:
 
 async def status(engine: AsyncEngine) -> dict[str, Any]:
     async with engine.connect() as conn:
-        return await counts(conn)
+        return await counts(conn, "policy")  # the policy only names the gate's row
 
 
 def success(session: str) -> dict[str, Any]:
