@@ -33,13 +33,17 @@ AGENTS = ["support-bot", "ops-assistant", "travel-helper"]
 
 def _request(rng: random.Random) -> tuple[str, str, dict[str, Any]]:
     kind = rng.randrange(3)
+    # Every expected argument is stated in the request: a task whose right answer the prompt
+    # does not determine (a random priority, an unstated unit) is one no policy can learn.
     if kind == 0:
         city = rng.choice(CITIES)
-        return f"What's the weather in {city}?", "get_weather", {"city": city, "unit": "c"}
+        return (f"What's the weather in {city}, in Celsius?", "get_weather",
+                {"city": city, "unit": "c"})
     if kind == 1:
-        n = rng.randrange(1000, 9999)
-        return (f"Printer {n} on floor 3 is jammed again, please open a ticket.",
-                "create_ticket", {"title": f"Printer {n} jammed", "priority": rng.randint(1, 4)})
+        n, priority = rng.randrange(1000, 9999), rng.randint(1, 4)
+        return (f"Printer {n} on floor 3 is jammed again, please open a ticket "
+                f"titled 'Printer {n} jammed' with priority {priority}.",
+                "create_ticket", {"title": f"Printer {n} jammed", "priority": priority})
     who = rng.choice(["ana", "bo", "chen", "dee"])
     return (f"Email {who}@example.com that the release moved to Friday.", "send_email",
             {"to": f"{who}@example.com", "subject": "Release moved", "body": "It is Friday now."})
