@@ -92,7 +92,9 @@ def test_tasks_and_verify_commands(db_url: str, tmp_path: Path,
         data = json.loads(prof.stdout)
         attempts = data["production_attempts"]
         assert attempts["count"] > 0
-        assert attempts["exact_success"] < 0.5  # these were failures in production
+        # These failed in production, but not all at the call: a tool error, a timeout or a
+        # user's complaint after a right call leaves the call itself correct.
+        assert attempts["exact_success"] < 0.75, (env, attempts)
         if data["reference"] is not None:
             assert data["reference"]["exact_success"] == 1.0, (env, data["reference"])
 
