@@ -43,8 +43,11 @@ MAX_RECORD_BYTES = 1_000_000
 _BATCH_BYTES = 512 * 1024  # per-partition request batch; aiokafka's 16 KiB costs a round trip each
 
 # Beyond what is transient for everyone (flywheel.errors.is_transient): a producer closed
-# under a send, or a send cancelled with it, is retried from the spool too.
-_ALSO_RETRIED = (kafka_errors.ProducerClosed, asyncio.CancelledError)
+# under a send, or a send cancelled with it, is retried from the spool too; so is a broker's
+# UNKNOWN_SERVER_ERROR (-1, "an unexpected error processing the request"): a broker-side
+# failure, not a verdict on the record (a restarted broker answers it until its topics exist),
+# and the spool holds the records meanwhile. Stopping delivery on it would stall the publisher.
+_ALSO_RETRIED = (kafka_errors.ProducerClosed, asyncio.CancelledError, kafka_errors.UnknownError)
 _REFUSED = (
     kafka_errors.MessageSizeTooLargeError, kafka_errors.RecordTooLargeError,
     kafka_errors.RecordListTooLargeError, kafka_errors.CorruptRecordException,

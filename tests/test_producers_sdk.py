@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer
+from aiokafka import errors as kafka_errors
 
 from flywheel.config import KafkaSettings, Settings
 from flywheel.runtime.broker import LocalBroker, free_port
@@ -192,3 +193,46 @@ async def test_invalid_trajectory_is_refused_with_a_readable_error(tmp_path: Pat
         with pytest.raises(ValueError, match="limit"):
             await client.log(trajectory(metadata={"blob": "x" * 1_100_000}))
         assert client.stats["pending"] == 0 and spool_lines(client) == 0
+
+
+class _FlakyProducer:
+    """Answers UNKNOWN_SERVER_ERROR to the first `failures` sends, then acks; keeps what
+    it acked."""
+
+    def __init__(self, failures: int, acked: list[str]) -> None:
+        self.failures, self.acked = failures, acked
+
+    async def send(self, topic: str, value: bytes, key: bytes) -> asyncio.Future[None]:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.failures > 0:
+            self.failures -= 1
+            future.set_exception(kafka_errors.UnknownError())
+        else:
+            self.acked.append(key.decode())
+            future.set_result(None)
+        return future
+
+    async def stop(self) -> None:
+        return None
+
+
+async def test_a_brokers_unknown_server_error_is_retried_not_the_end_of_delivery(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    acked: list[str] = []
+    producers = iter([_FlakyProducer(3, acked), _FlakyProducer(2, acked),
+                      _FlakyProducer(0, acked)])
+
+    async def connect(self: FlywheelClient) -> _FlakyProducer:
+        return next(producers)
+
+    monkeypatch.setattr(FlywheelClient, "_connect", connect)
+    client = FlywheelClient("127.0.0.1:1", "t.trajectories", spool_dir=tmp_path / "spool",
+                            retry_interval_s=0.05)
+    await client.start()
+    try:
+        ids = [str(await client.log(trajectory())) for _ in range(50)]
+        await client.flush(timeout=10)
+    finally:
+        await client.close()
+    assert set(acked) == set(ids)
+    assert client.stats["rejected"] == 0
