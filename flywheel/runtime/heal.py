@@ -42,9 +42,16 @@ def start_broker(stack: Stack, previous: dict[str, Any] | None) -> None:
     assert stack.broker is not None
     saved = recovery.load_state(stack.home)
     pid = (previous or {}).get("broker_pid")
-    if pid and saved and saved.get("broker_pid") == pid and \
-            stack.broker.adopt(int(pid), saved.get("started_at")):
-        stack.broker_state = saved
+    matches = saved is not None and saved.get("broker_pid") == pid
+    started_at = (saved or {}).get("started_at") if matches else \
+        ((previous or {}).get("broker") or {}).get("started_at")
+    if pid and stack.broker.adopt(int(pid), started_at):
+        if matches:
+            assert saved is not None
+            stack.broker_state = saved
+        else:  # its consumption state was never saved (e.g. the supervisor died first)
+            stack.broker_state = recovery.new_state(int(pid), started_at)
+            recovery.save_state(stack.home, stack.broker_state)
         stack.notes.append(f"kept the running broker (pid {pid}) and what it holds")
     else:
         stack.broker.start()

@@ -217,7 +217,10 @@ class Stack:
                 b.reset()
         reap_orphans({p.proc.pid for p in self.services if p.proc is not None}
                      | ({self.broker.proc.pid} if self.broker and self.broker.proc else set()))
-        heal(self, now)
+        try:
+            heal(self, now)
+        except Exception:  # one failed repair must not end supervision (and stop the stack)
+            log.exception("healing failed; trying again on the next tick")
         if now - self._last_rotate >= 2:
             self._last_rotate = now
             cfg = self.settings.stack
