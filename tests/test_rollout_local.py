@@ -54,7 +54,7 @@ def _weather_task() -> TaskSpec:
 
 async def test_tool_call_group_on_the_real_model(policy: LocalPolicy) -> None:
     task = _weather_task()
-    cfg = GroupConfig(group_size=4, max_tokens=32, temperature=1.0, rollout_timeout_s=120)
+    cfg = GroupConfig(group_size=4, max_tokens=32, temperature=1.0, rollout_timeout_s=900)
     out = await run_group(policy, task, load_environment("tool_call"), cfg, adapter=None,
                           seed=7, group_key="g1")
     assert len(out.rollouts) == 4 and len(out.scored) == 4  # every attempt ran and was scored
@@ -70,7 +70,7 @@ async def test_one_renderer_for_rollouts_sft_and_serving(policy: LocalPolicy) ->
 
     task = _weather_task()
     fmt = policy.chat_format
-    cfg = GroupConfig(group_size=2, max_tokens=8, temperature=1.0, rollout_timeout_s=120)
+    cfg = GroupConfig(group_size=2, max_tokens=8, temperature=1.0, rollout_timeout_s=900)
     out = await run_group(policy, task, load_environment("tool_call"), cfg, adapter=None,
                           seed=3, group_key="g3")
     rendered = fmt.render(task.messages, task.tools)
@@ -109,7 +109,7 @@ async def test_multi_step_workplace_group_on_the_real_model(policy: LocalPolicy)
                                            max_steps=3),
                     failure_mode="wrong_tool", fingerprint="y", split="train")
     cfg = GroupConfig(group_size=4, max_tokens=40, temperature=0.7, max_steps=3,
-                      rollout_timeout_s=240)
+                      rollout_timeout_s=1800)
     out = await run_group(policy, task, load_environment("workplace"), cfg, adapter=None,
                           seed=3, group_key="g2")
     assert len(out.scored) == 4

@@ -34,7 +34,7 @@ STEPS, BATCH, LR = 5, 8, 1e-3
 TRAIN = (["Paris", "Lagos", "Osaka", "Lima", "Oslo", "Cairo", "Delhi", "Hanoi", "Rome", "Seoul",
           "Dakar", "Porto"], ["ana", "bo", "eli", "fay", "gus", "hal"], list(range(1000, 1012)))
 HELD = (["Pune", "Quito"], ["chen", "dee"], [7001, 7002])
-EVAL = GroupConfig(group_size=2, max_tokens=40, temperature=1.0)
+EVAL = GroupConfig(group_size=2, max_tokens=64, temperature=1.0)
 
 
 def _requests(cities: list[str], people: list[str], tickets: list[int]) -> list[Trajectory]:
