@@ -30,13 +30,32 @@ from flywheel.rollout.loop import GroupConfig, run_group
 from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
 
 
-def fixed_tasks(n: int, seed: int = 0) -> list[TaskSpec]:
+def answered(rng: random.Random, shots: int) -> list[dict[str, Any]]:
+    """`shots` earlier requests, each answered with its right call, the call's result and a
+    line of text: context that makes the untuned model write `<tool_call>` blocks itself
+    (without it, it answers in prose and every reward is 0)."""
+    out: list[dict[str, Any]] = []
+    for n in range(shots):
+        prompt, tool, args = _request(rng)
+        out += [{"role": "user", "content": prompt},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": f"shot{n}", "type": "function",
+                     "function": {"name": tool, "arguments": json.dumps(args)}}]},
+                {"role": "tool", "tool_call_id": f"shot{n}", "content": '{"ok": true}'},
+                {"role": "assistant", "content": "Done."}]
+    return out
+
+
+def fixed_tasks(n: int, seed: int = 0, *, shots: int = 0) -> list[TaskSpec]:
+    """`n` tool_call tasks of the demo's requests; `shots` > 0 puts that many answered
+    requests before each (see `answered`)."""
     rng = random.Random(seed)
     tasks = []
     for i in range(n):
         prompt, tool, args = _request(rng)
         tasks.append(TaskSpec(task_id=uuid.uuid4(), env="tool_call", tools=TOOLS,
-                              messages=[{"role": "user", "content": prompt}],
+                              messages=[*answered(rng, shots),
+                                        {"role": "user", "content": prompt}],
                               verifier=ToolCallSpec(expected=[ExpectedCall(name=tool,
                                                                            arguments=args)]),
                               failure_mode="bad_arguments", fingerprint=f"learn-{i}",

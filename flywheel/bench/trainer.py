@@ -4,7 +4,8 @@ Both sides train the same model (the local SmolLM2 safetensors directory) with t
 (r=16, alpha=32, q/k/v/o), group size G, completion limit, learning rate, clip range
 (0.2 / 0.28, token-level loss, std-scaled group advantages, no KL) and reward (Flywheel's
 tool_call verifier on the completion as the policy's chat format parses it) on the same
-fixed tool_call tasks, on CPU.
+fixed tool_call tasks (each after three answered requests, so the untuned model calls
+tools and its groups have reward variance), on CPU.
 
 Flywheel side, in-process: a LocalPolicy (its own model, its own worker thread) samples and
 scores groups with `run_group` while a LoRATrainer (a second model copy) steps on another
@@ -264,7 +265,9 @@ def run_trainer_bench(steps: int = 3, *, batch: int = 2, group_size: int = 8,
         raise ValueError("steps, batch and staleness must be ≥ 1")
     import torch
 
-    fixed = fixed_tasks(tasks)
+    # Three answered requests before each: GRPO from the base model needs reward variance,
+    # which the untuned model only shows once the context holds calls (see `answered`).
+    fixed = fixed_tasks(tasks, shots=3)
     cfg = GroupConfig(group_size=group_size, max_tokens=max_tokens, temperature=1.0)
     cores = torch.get_num_threads()
     # Overlapped, the trainer (compute-bound, scales with cores; the bottleneck on CPU) keeps

@@ -314,7 +314,8 @@ def bench_learning(
     tasks: Annotated[int, typer.Option(help="Fixed tool_call tasks.")] = 6,
     lr: Annotated[float, typer.Option(help="Learning rate.")] = 2e-4,
     sft_steps: Annotated[int, typer.Option(
-        help="SFT warm-start steps before GRPO, on demonstrations of other requests.")] = 0,
+        help="SFT warm-start steps before GRPO, on demonstrations of other requests (the "
+             "untuned model calls no tool, so GRPO alone has no signal).")] = 12,
     max_tokens: Annotated[int, typer.Option(
         help="Most tokens per completion (a tool call in the chat format is 40-50).")] = 64,
     as_json: JsonOpt = False,
