@@ -4,10 +4,9 @@ the untuned model emit the chat format's `<tool_call>` blocks on requests it nev
 Train and held-out requests are disjoint (other cities, people and ticket numbers); both are
 sampled through `LocalPolicy` and the rollout loop with fixed seeds, at the GRPO sampling
 temperature, with the chat template and no prefill (what serving renders). Measured on 2
-heavily shared CPU cores (load ~15; 17 min): a parsed call ("valid_json") 0.67 and right
-tool 0.58 after 5 steps of 8 at lr 1e-3; before SFT the model calls no tool (0/50 in the
-chat-format research, /work/notes/chat). Under the earlier prefilled JSON prompt the same
-test gave 0.92 / 0.58 (docs/BENCHMARKS.md).
+CPU cores (156 s: evaluations 66 + 46, SFT 43): a parsed call ("valid_json") 0.00 → 0.67
+and right tool 0.00 → 0.58 after 5 steps of 8 at lr 1e-3 (under the earlier prefilled JSON
+prompt the same test gave 0.08 → 0.92 and 0.00 → 0.58; docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
