@@ -157,7 +157,8 @@ class ServingSync:
                                 top_p=float(body.get("top_p") or 1.0),
                                 seed=body.get("seed"), stop=tuple(_stops(body.get("stop"))))
         started = time.time()
-        (c,) = await self.policy().sample(body["messages"], params, adapter=target.adapter)
+        (c,) = await self.policy().sample(body["messages"], params, tools=None,
+                                          adapter=target.adapter)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": int(started), "model": target.name,
                 "choices": [{"index": 0, "finish_reason": c.finish_reason,
