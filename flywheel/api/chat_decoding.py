@@ -1,0 +1,150 @@
+"""What each `tool_choice` means on Flywheel's engines, and how a completion becomes an answer.
+
+Serving renders and parses exactly as rollouts and the gate do (the policy's `ChatFormat`);
+`tool_choice` only adds what it must, the same on the local engine and on vLLM:
+
+* `auto` (the default with tools): the gate's own decoding — the prompt rendered with the
+  tools, no prefill, no stop but the end-of-turn token, the reply read by `ChatFormat.parse`.
+  This is the mode the gate's figures describe.
+* `none`: the same prompt (the tools stay rendered, as vLLM renders them for `none`: the
+  conversation and the prefix cache do not change under the agent), and the reply is returned
+  as text, never parsed into calls: if the model writes call markup anyway it is in `content`.
+* `required`: the assistant turn is prefilled with the template's call opening (bundled
+  template: `<tool_call>\\n{"name": "`); the model picks the function and its arguments, and
+  the reply is parsed with the prefill in front, so the parse sees the whole call.
+* `{"type": "function", "function": {"name": N}}`: the prefill runs through the name, up to
+  the arguments (`<tool_call>\\n{"name": "N", "arguments":`); one call to N is returned.
+* `parallel_tool_calls: false` (and a named choice): generation stops after the first call's
+  closing tag (`</tool_call>`) and at most one call is returned.
+
+The prefill and the closing tag are read off the template itself (a rendered one-call reply),
+so a model's own tool template works too. A prefill is cut back to a token boundary of what
+training saw (`ids(prompt + prefill)` is a prefix of `ids(prompt) + ids(reply)`), so the model
+continues a token sequence it was trained on. `required`/named guarantee the opening of a
+call, not a well-formed one: a call the model leaves malformed comes back as `content`
+(vLLM's parser does the same).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from flywheel.policy.chat_format import ChatFormat, ChatFormatError
+
+_PROBE_ARG = "flywheel_probe_argument"
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How one request is sampled and read back."""
+
+    choice: str
+    """`none`, `auto`, `required` or `function:<name>`."""
+    tools: list[dict[str, Any]] | None
+    """Rendered into the prompt."""
+    prefill: str = ""
+    stop: tuple[str, ...] = ()
+    """Our stop strings (kept in the text, which the parse needs)."""
+    parse_calls: bool = True
+    max_calls: int | None = None
+
+
+def decoding(fmt: ChatFormat, messages: Sequence[Mapping[str, Any]],
+             tools: list[dict[str, Any]] | None, choice: str, parallel: bool) -> Decoding:
+    if not tools or choice == "none":
+        return Decoding(choice, tools, parse_calls=False)
+    single = not parallel or choice.startswith("function:")
+    name = choice.removeprefix("function:") if choice.startswith("function:") else \
+        str(tools[0]["function"]["name"])
+    markup = CallMarkup.of(fmt, messages, tools, name)
+    stop = (markup.closing,) if single and markup.closing else ()
+    if choice == "auto":
+        return Decoding(choice, tools, stop=stop, max_calls=1 if single else None)
+    prefill = markup.required_prefill() if choice == "required" else markup.named_prefill()
+    return Decoding(choice, tools, prefill=prefill, stop=stop, max_calls=1 if single else None)
+
+
+@dataclass(frozen=True)
+class CallMarkup:
+    """Where a one-call reply rendered by the template opens, names, and closes its call."""
+
+    fmt: ChatFormat
+    prompt: str
+    reply: str
+    name_start: int
+    name_end: int
+    arguments_start: int
+    closing: str | None
+    """The tag that ends a call (`</tool_call>`), None when the template writes none."""
+
+    @classmethod
+    def of(cls, fmt: ChatFormat, messages: Sequence[Mapping[str, Any]],
+           tools: list[dict[str, Any]], name: str) -> CallMarkup:
+        call = {"type": "function", "function": {"name": name, "arguments": {_PROBE_ARG: 1}}}
+        reply = fmt.reply_text(messages, {"content": None, "tool_calls": [call]}, tools)
+        name_start = reply.find(name)
+        probe = reply.find(f'"{_PROBE_ARG}"')
+        arguments_start = reply.rfind("{", 0, probe)
+        if name_start < 0 or probe < 0 or not name_start < arguments_start:
+            raise ChatFormatError(f"{fmt.name}: a rendered call does not write the function "
+                                  f"name before its arguments ({reply!r}); tool_choice "
+                                  "'required' or a named function cannot be served with it")
+        _, arguments_end = json.JSONDecoder().raw_decode(reply, arguments_start)
+        tail = reply[arguments_end:].removesuffix(fmt.end_of_turn).split()
+        closing = tail[-1] if tail and any(ch.isalpha() for ch in tail[-1]) else None
+        return cls(fmt, fmt.render_text(messages, tools), reply, name_start,
+                   name_start + len(name), arguments_start, closing)
+
+    def required_prefill(self) -> str:
+        """The call opening up to the function name, cut back to a token boundary."""
+        for end in range(self.name_start, 0, -1):
+            if self._on_boundary(end):
+                return self.reply[:end]
+        return self.reply[:self.name_start]
+
+    def named_prefill(self) -> str:
+        """The call through its function name, up to the arguments, on a token boundary."""
+        for end in range(self.arguments_start, self.name_end - 1, -1):
+            if self._on_boundary(end):
+                return self.reply[:end]
+        return self.reply[:self.arguments_start]
+
+    @cached_property
+    def _trained(self) -> list[int]:
+        # SFT tokenizes the prompt and the reply separately (`ChatFormat.encode_reply`).
+        return self.fmt.encode(self.prompt) + self.fmt.encode(self.reply)
+
+    def _on_boundary(self, end: int) -> bool:
+        # The engines encode `prompt + prefill` as one text.
+        sampled = self.fmt.encode(self.prompt + self.reply[:end])
+        return self._trained[:len(sampled)] == sampled
+
+
+def answer(fmt: ChatFormat, d: Decoding, text: str, engine_finish: str,
+           user_stops: Sequence[str], id_prefix: str) -> tuple[dict[str, Any], str]:
+    """The OpenAI assistant message and `finish_reason` for one completion's `text` (the
+    generated text, without the prefill; `engine_finish` is `stop` or `length`)."""
+    for stop in user_stops:
+        # OpenAI leaves a request's stop sequence out of the text; ours stay (the parse reads them).
+        if stop not in d.stop and engine_finish == "stop" and text.endswith(stop):
+            text = text[:-len(stop)]
+            break
+    calls: list[dict[str, Any]] = []
+    if d.parse_calls:
+        parsed = fmt.parse(d.prefill + text, id_prefix=id_prefix)
+        calls = parsed["tool_calls"][:d.max_calls]
+        content = parsed["content"]
+    else:
+        content = d.prefill + text
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": content if content or not calls else None,
+                               "refusal": None}
+    if calls:
+        message["tool_calls"] = calls
+        return message, "tool_calls"
+    message["content"] = content or ""
+    return message, "length" if engine_finish == "length" else "stop"
