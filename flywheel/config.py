@@ -74,6 +74,12 @@ class RolloutSettings(BaseModel):
     """Base URLs of every vLLM replica (each gets every adapter version)."""
     vllm_model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
     """Base model name as served by vLLM."""
+    chat_template: str = "auto"
+    """The policy's chat format (`flywheel.policy.chat_format`): `auto` = the model's own
+    template when it renders tools (its tokenizer must then carry a response template), else
+    the bundled `tool_chatml.v1`; `model`; a bundled name; or a `.jinja` path (parsed by the
+    `<stem>.response.json` beside it). vLLM must serve the same file: `flywheel policy
+    chat-template` prints it. The vLLM engine reads `model_dir`'s tokenizer to parse replies."""
     envs: list[str] = Field(default_factory=list)
     """Environments this policy is trained and gated on (e.g. `["tool_call"]`); empty = all.
     Tasks of other environments are still mined and kept, for another policy."""

@@ -1,9 +1,13 @@
 """VLLMPolicy against a fake vLLM cluster (httpx.MockTransport), plus one real-vLLM check.
 
-The fake speaks the parts of vLLM's HTTP API Flywheel uses, per replica: /v1/models (with
-`root`), /v1/load_lora_adapter, /v1/unload_lora_adapter, /v1/chat/completions (logprob tokens
-as "token_id:N"), /tokenize and /detokenize. Its tokenizer is one token per character
-(id = ord(c)), so expected ids and cuts are easy to compute by hand.
+The fake speaks the parts of vLLM's HTTP API Flywheel uses, per replica, in the shapes a real
+vLLM 0.32 answered with (/work/notes/vllm/FINDINGS.md): /v1/models (with `root`),
+/v1/load_lora_adapter, /v1/unload_lora_adapter, /v1/chat/completions (top-level
+`prompt_token_ids`, `choices[i].token_ids`, logprob tokens as "token_id:N" with `bytes` and
+`top_logprobs`, the EOS token in the ids but not in `content`, tools rendered into the prompt
+even under `tool_choice: "none"`), /tokenize and /detokenize. Its tokenizer is one token per
+character (id = ord(c)), so expected ids are easy to compute by hand; a replica can instead
+render with a real chat format (`render`), as a vLLM started with `--chat-template` does.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,17 +24,22 @@ import httpx
 import pytest
 
 from flywheel.policy.base import AdapterRef, Policy, PolicyError, SamplingParams
-from flywheel.policy.vllm import VLLMPolicy, is_retryable, json_object_end
+from flywheel.policy.vllm import VLLMPolicy, api_messages, is_retryable
 
 MESSAGES = [{"role": "user", "content": "hi"}]
+EOS = 2
+"""The fake's end-of-turn token id (SmolLM2's `<|im_end|>`): in token_ids, never in content."""
 
 
 def _logprob(j: int) -> float:
     return -0.25 - j / 100
 
 
-def _render(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-    text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+def _render(messages: list[dict[str, Any]], add_generation_prompt: bool,
+            tools: list[dict[str, Any]] | None = None) -> str:
+    names = ",".join(t["function"]["name"] for t in tools or [])
+    text = (f"<tools>{names}</tools>" if names else "") + "".join(
+        f"<{m['role']}>{m['content'] or json.dumps(m.get('tool_calls'))}" for m in messages)
     return text + ("<assistant>" if add_generation_prompt else "")
 
 
@@ -54,6 +64,8 @@ class FakeReplica:
     chat_failures: list[int | str] = field(default_factory=list)
     """Queue of failures to answer chat requests with: an HTTP status or "connect"."""
     texts: list[str] = field(default_factory=lambda: ["abc"])
+    render: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], list[int]] | None = None
+    """The server's chat template (prompt ids from messages and tools); None = `_render`."""
     calls: Counter[str] = field(default_factory=Counter)
     bodies: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     _hidden: set[str] = field(default_factory=set)
@@ -87,9 +99,9 @@ class FakeReplica:
                 return _error(404, f"The lora adapter '{name}' cannot be found.")
             return httpx.Response(200, text=f"Success: LoRA adapter '{name}' removed.")
         if path == "/tokenize":
-            ids = [ord(c) for c in _render(body["messages"],
-                                           body.get("add_generation_prompt", True))]
-            return _json(200, {"tokens": ids, "count": len(ids), "max_model_len": 4096})
+            ids = self._prompt_ids(body)
+            return _json(200, {"tokens": ids, "count": len(ids), "max_model_len": 4096,
+                               "token_strs": None})
         if path == "/detokenize":
             return _json(200, {"prompt": "".join(chr(t) for t in body["tokens"])})
         if path == "/v1/chat/completions":
@@ -110,18 +122,32 @@ class FakeReplica:
             for stop in body.get("stop", []):
                 if stop in text:
                     text, stop_reason = text[:text.index(stop) + len(stop)], stop
-            if len(text) > body["max_tokens"]:
-                text, finish = text[:body["max_tokens"]], "length"
-            content = [{"token": f"token_id:{ord(c)}", "logprob": _logprob(j), "bytes": []}
-                       for j, c in enumerate(text)]
-            choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                            "logprobs": {"content": content}, "finish_reason": finish,
-                            "stop_reason": stop_reason})
-        data: dict[str, Any] = {"id": "chatcmpl-1", "model": body["model"], "choices": choices}
+            ids = [ord(c) for c in text]
+            if stop_reason is None:
+                ids.append(EOS)  # ended on EOS: its id is sampled, its text is not content
+            if len(ids) > body["max_tokens"]:
+                ids, finish = ids[:body["max_tokens"]], "length"
+            text = "".join(chr(t) for t in ids if t != EOS)
+            content = [{"token": f"token_id:{t}", "logprob": _logprob(j),
+                        "bytes": list(chr(t).encode()), "top_logprobs": []}
+                       for j, t in enumerate(ids)]
+            message = {"role": "assistant", "content": text, "refusal": None,
+                       "annotations": None, "audio": None, "function_call": None,
+                       "reasoning": None}  # tool_choice "none": no tool_calls key
+            choices.append({"index": i, "message": message, "logprobs": {"content": content},
+                            "finish_reason": finish, "stop_reason": stop_reason,
+                            "token_ids": ids})
+        data: dict[str, Any] = {"id": "chatcmpl-1", "object": "chat.completion",
+                                "model": body["model"], "choices": choices}
         if self.returns_prompt_ids:
-            data["prompt_token_ids"] = [ord(c) for c in _render(
-                body["messages"], body.get("add_generation_prompt", True))]
+            data["prompt_token_ids"] = self._prompt_ids(body)
         return _json(200, data)
+
+    def _prompt_ids(self, body: dict[str, Any]) -> list[int]:
+        if self.render is not None:
+            return self.render(body["messages"], body.get("tools"))
+        return [ord(c) for c in _render(body["messages"], body.get("add_generation_prompt", True),
+                                        body.get("tools"))]
 
 
 class FakeCluster:
@@ -148,7 +174,6 @@ def ref(version: int, path: str | None = None) -> AdapterRef:
 async def test_each_version_is_served_under_its_own_name_on_every_replica() -> None:
     cluster = FakeCluster(3)
     policy = cluster.policy()
-    assert isinstance(policy, Policy)
     await policy.ensure_adapter(ref(1))
     await policy.ensure_adapter(ref(2))
     for r in cluster.replicas:
@@ -296,30 +321,60 @@ async def test_a_replica_that_lost_the_adapter_is_dropped_and_another_serves() -
     assert cluster.replicas[0].calls["/v1/chat/completions"] <= 1
 
 
-async def test_prefill_continues_the_assistant_turn() -> None:
+WEATHER = {"type": "function", "name": "get_weather", "x-unsafe": False,
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+HISTORY = [{"role": "user", "content": "Weather in Oslo?"},
+           {"role": "assistant", "content": None, "tool_calls": [
+               {"id": "call_0_0", "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+           {"role": "tool", "tool_call_id": "call_0_0", "content": {"temp_c": 3}},
+           {"role": "assistant", "content": "x", "parse_error": "ours, not the API's"}]
+
+
+async def test_the_request_carries_the_tools_and_asks_for_the_raw_text() -> None:
     cluster = FakeCluster(1)
     policy = cluster.policy()
-    params = SamplingParams(n=1, prefill='{"tool": ', seed=7, stop=("\n",), max_tokens=9)
-    out = await policy.sample(MESSAGES, params)
+    params = SamplingParams(n=2, seed=7, stop=("\n",), max_tokens=9, temperature=0.7)
+    out = await policy.sample(HISTORY, params, tools=[WEATHER])
     body = next(b for p, b in cluster.replicas[0].bodies if p == "/v1/chat/completions")
-    assert body["messages"] == [*MESSAGES, {"role": "assistant", "content": '{"tool": '}]
-    assert body["continue_final_message"] is True
-    assert body["add_generation_prompt"] is False
-    assert (body["n"], body["seed"], body["stop"], body["max_tokens"]) == (1, 7, ["\n"], 9)
+    # OpenAI's shape: nested tools without Flywheel's keys; tools rendered, vLLM's own tool
+    # parser kept out (the reply is parsed by the policy's chat format).
+    assert body["tools"] == [{"type": "function", "function": {
+        "name": "get_weather", "parameters": WEATHER["parameters"]}}]
+    assert body["tool_choice"] == "none"
+    assert body["messages"] == api_messages(HISTORY)
+    assert body["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
+    assert body["messages"][2]["content"] == '{"temp_c": 3}'
+    assert "parse_error" not in body["messages"][3]
+    assert "continue_final_message" not in body and "add_generation_prompt" not in body
+    assert (body["n"], body["seed"], body["stop"], body["max_tokens"]) == (2, 7, ["\n"], 9)
+    assert body["temperature"] == 0.7 and body["top_p"] == 1.0
     assert body["logprobs"] is True and body["return_tokens_as_token_ids"] is True
     assert body["include_stop_str_in_output"] is True
-    assert out[0].text == "abc"  # the prefill is prompt, not completion
-    assert out[0].prompt_token_ids == [ord(c) for c in '<user>hi<assistant>{"tool": ']
+    assert out[0].text == "abc"
+    # The prompt ids are what vLLM rendered (with the tools), never re-tokenized here.
+    assert out[0].prompt_token_ids == [ord(c) for c in _render(
+        body["messages"], True, body["tools"])]
+    assert out[0].prompt_token_ids[:7] == [ord(c) for c in "<tools>"]
+
+
+async def test_without_tools_the_request_names_none() -> None:
+    cluster = FakeCluster(1)
+    await cluster.policy().sample(MESSAGES, SamplingParams(n=1), tools=[])
+    body = next(b for p, b in cluster.replicas[0].bodies if p == "/v1/chat/completions")
+    assert "tools" not in body and "tool_choice" not in body
 
 
 async def test_token_ids_logprobs_and_finish_reasons_are_parsed() -> None:
     cluster = FakeCluster(1)
-    cluster.replicas[0].texts = ["hello", "ab\ncd"]
+    cluster.replicas[0].texts = ["hello", "ab\ncd", "hi"]
     out = await cluster.policy().sample(MESSAGES, SamplingParams(n=3, max_tokens=4, stop=("\n",)))
-    assert [c.text for c in out] == ["hell", "ab\n", "hell"]
+    assert [c.text for c in out] == ["hell", "ab\n", "hi"]
     assert out[0].token_ids == [ord(c) for c in "hell"]
     assert out[0].logprobs == [_logprob(j) for j in range(4)]
-    assert [c.finish_reason for c in out] == ["length", "stop", "length"]
+    assert out[2].token_ids == [ord("h"), ord("i"), EOS]  # the trainer learns to stop
+    assert len(out[2].logprobs) == 3
+    assert [c.finish_reason for c in out] == ["length", "stop", "stop"]
     assert out[1].extra["stop_reason"] == "\n"
     assert out[0].prompt_token_ids == [ord(c) for c in "<user>hi<assistant>"]
 
@@ -327,32 +382,76 @@ async def test_token_ids_logprobs_and_finish_reasons_are_parsed() -> None:
 async def test_prompt_ids_come_from_tokenize_when_the_server_does_not_return_them() -> None:
     cluster = FakeCluster(1)
     cluster.replicas[0].returns_prompt_ids = False
-    out = await cluster.policy().sample(MESSAGES, SamplingParams(n=2))
+    out = await cluster.policy().sample(MESSAGES, SamplingParams(n=2), tools=[WEATHER])
     assert cluster.replicas[0].calls["/tokenize"] == 1
-    assert out[1].prompt_token_ids == [ord(c) for c in "<user>hi<assistant>"]
+    tokenize = next(b for p, b in cluster.replicas[0].bodies if p == "/tokenize")
+    assert tokenize["tools"][0]["function"]["name"] == "get_weather"
+    assert out[1].prompt_token_ids == [ord(c) for c in "<tools>get_weather</tools><user>hi"
+                                                        "<assistant>"]
 
 
-async def test_stop_at_json_end_cuts_text_tokens_and_logprobs() -> None:
+async def test_without_a_chat_format_there_is_nothing_to_parse_with() -> None:
+    policy = FakeCluster(1).policy()
+    with pytest.raises(PolicyError, match="no chat format"):
+        _ = policy.chat_format
+    assert not isinstance(policy, Policy)
+
+
+@pytest.fixture(scope="module")
+def fmt() -> Any:
+    from flywheel.policy.chat_format import load_chat_format
+    from flywheel.policy.model_cache import resolve_model_dir
+
+    pytest.importorskip("transformers")
+    return load_chat_format(resolve_model_dir(None))
+
+
+async def test_a_replica_rendering_like_the_policy_is_checked_once_and_parsed_alike(
+        fmt: Any) -> None:
+    """A replica started with the policy's --chat-template renders exactly `render`: its
+    prompt ids pass the check (once), and its text parses like the local engine's."""
+    cluster = FakeCluster(2)
+    loads: list[int] = []
+
+    def load() -> Any:
+        loads.append(1)
+        return fmt
+
+    for r in cluster.replicas:
+        r.render = fmt.render
+        r.texts = ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+                   "</tool_call>"]
+    policy = cluster.policy(chat_format=load)
+    for _ in range(3):
+        (c,) = await policy.sample(HISTORY[:1], SamplingParams(n=1, max_tokens=128),
+                                   tools=[WEATHER])
+        assert c.prompt_token_ids == fmt.render(HISTORY[:1], [WEATHER])
+        assert policy.chat_format.parse(c.text)["tool_calls"][0]["function"] == {
+            "name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    await policy.sample(HISTORY, SamplingParams(n=1), tools=[WEATHER])
+    assert loads == [1]  # the tokenizer is loaded once, lazily
+    assert len(policy._rendering_checked) == 2  # every replica, once each
+
+
+def test_with_a_chat_format_it_is_a_policy(fmt: Any) -> None:
+    assert isinstance(FakeCluster(1).policy(chat_format=fmt), Policy)
+
+
+async def test_a_replica_started_without_the_policys_template_is_refused(fmt: Any) -> None:
+    """vLLM without --chat-template renders SmolLM2's stock template, which drops the tools:
+    training on those prompts would teach another format than SFT and serving use."""
     cluster = FakeCluster(1)
-    cluster.replicas[0].texts = ['"a}{b\\"", "x": {"y": [1]}} and then chatter', '"s"}']
-    params = SamplingParams(n=2, max_tokens=64, prefill='{"tool": ', stop_at_json_end=True)
-    cut, whole = await cluster.policy().sample(MESSAGES, params)
-    expected = '"a}{b\\"", "x": {"y": [1]}}'
-    assert cut.text == expected
-    assert cut.token_ids == [ord(c) for c in expected]
-    assert cut.logprobs == [_logprob(j) for j in range(len(expected))]
-    assert cut.finish_reason == "stop"
-    assert cut.extra["cut_at_json_end"] == len(" and then chatter")
-    assert whole.text == '"s"}' and "cut_at_json_end" not in whole.extra
+    stock = fmt.tokenizer.chat_template
 
+    def stock_render(messages: list[dict[str, Any]], tools: Any) -> list[int]:
+        text = fmt.tokenizer.apply_chat_template(messages, tools=tools, chat_template=stock,
+                                                 add_generation_prompt=True, tokenize=False)
+        return fmt.encode(text)
 
-def test_json_object_end() -> None:
-    assert json_object_end('{"a": 1} tail') == 8
-    assert json_object_end('x {"a": "}"} y') == 12
-    assert json_object_end('{"a": [{"b": 2}]}') == 17
-    assert json_object_end('{"a": "\\"}"}!') == 12
-    assert json_object_end('{"a": 1') is None
-    assert json_object_end("no json") is None
+    cluster.replicas[0].render = stock_render
+    policy = cluster.policy(chat_format=fmt)
+    with pytest.raises(PolicyError, match=r"--chat-template .*tool_chatml\.v1\.jinja"):
+        await policy.sample(MESSAGES, SamplingParams(n=1), tools=[WEATHER])
 
 
 def test_retry_classifier() -> None:

@@ -24,7 +24,7 @@ from flywheel.bench.stack import temp_stack
 from flywheel.config import RolloutSettings, Settings, Topics, settings_env
 from flywheel.db.engine import make_engine
 from flywheel.demo.simulate import simulate
-from flywheel.environments.prompt import build_prompt
+from flywheel.environments.prompt import task_messages, task_tools
 from flywheel.mining.service import mine_batch
 from flywheel.policy.base import SamplingParams
 from flywheel.rollout.store import request_rollouts
@@ -105,11 +105,10 @@ async def _direct_side(settings: Settings, tasks: list[TaskSpec],
     cfg = settings.rollout
     try:
         async def one(task: TaskSpec, seed: int) -> int:
-            p = build_prompt(task)
             params = SamplingParams(n=cfg.group_size, max_tokens=cfg.max_tokens,
-                                    temperature=cfg.temperature, seed=seed, stop=p.stop,
-                                    prefill=p.prefill, stop_at_json_end=p.stop_at_json_end)
-            return sum(len(c.token_ids) for c in await policy.sample(p.messages, params))
+                                    temperature=cfg.temperature, seed=seed)
+            out = await policy.sample(task_messages(task), params, tools=task_tools(task))
+            return sum(len(c.token_ids) for c in out)
 
         await one(tasks[0], seeds[0])  # warm-up, as on the worker side
         t0 = time.perf_counter()

@@ -32,8 +32,10 @@ from flywheel.cli.common import (  # noqa: E402
     print_result,
     uuid_arg,
 )
+from flywheel.cli.policy import policy_app  # noqa: E402
 from flywheel.cli.review import adapters_app, promotions_app, replay  # noqa: E402
 
+app.add_typer(policy_app, name="policy")
 app.add_typer(promotions_app, name="promotions")
 app.add_typer(adapters_app, name="adapters")
 app.command()(replay)

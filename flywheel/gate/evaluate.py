@@ -3,8 +3,8 @@
 Both sides of a comparison are sampled by this one function with the same prompts, the same
 per-task seeds and the same sampling settings, so their attempts pair up by (task, index).
 A run is cached in `eval_runs` under a key of everything that determines it (policy,
-version, eval-set version, gate sampling settings, engine), so production is sampled once,
-not once per candidate.
+version, eval-set version, gate sampling settings, engine, chat format), so production is
+sampled once, not once per candidate.
 """
 
 from __future__ import annotations
@@ -73,9 +73,13 @@ def _attempt(task: TaskSpec, r: ScoredRollout) -> Attempt:
                    latency_ms=r.latency_ms, tokens=sum(len(t.token_ids) for t in r.turns))
 
 
-def run_key(settings: Settings, version: int | None, holdout: Holdout) -> str:
+def run_key(settings: Settings, version: int | None, holdout: Holdout, chat_format: str
+            ) -> str:
+    """The cache key of a run; `chat_format` is the policy's `ChatFormat.version`, so runs
+    under another prompt (an older template, or the pre-chat-template prompt) never count."""
     g, r = settings.gate, settings.rollout
     parts = {"policy": settings.policy, "version": version, "eval_set": holdout.eval_set_version,
+             "chat_format": chat_format,
              "envs": sorted(r.envs),
              "tasks": [str(t.task_id) for t in holdout.tasks], "k": g.samples_per_task,
              "temperature": g.temperature, "seed": g.seed, "max_tokens": r.max_tokens,

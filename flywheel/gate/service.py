@@ -7,6 +7,7 @@ per (version, eval set, gate settings), so production is sampled once for many c
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from typing import Any
@@ -39,7 +40,9 @@ class GateService:
 
     async def run_for(self, version: int | None, holdout: Holdout) -> EvalRun:
         """The holdout run of `version` (None = base model), from the cache or sampled."""
-        key = run_key(self.settings, version, holdout)
+        # A thread: the vLLM engine loads its tokenizer on first use.
+        fmt = await asyncio.to_thread(lambda: self.policy.chat_format.version)
+        key = run_key(self.settings, version, holdout, fmt)
         async with self.engine.connect() as conn:
             cached = await cached_run(conn, key)
         if cached is not None:

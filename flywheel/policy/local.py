@@ -6,8 +6,9 @@ loop stays responsive, only one generate runs at a time (torch already uses ever
 an adapter never changes under a running generate. Sampling log-probs are read from the raw
 logits of the very forward passes that sampled the tokens, in fp32. A completion that ends
 on EOS keeps the EOS token (and its log-prob) in `token_ids`, not in `text`, so the trainer
-learns to stop; one cut by a stop string or JSON end keeps tokens up to the one that completed
-it, while its text ends exactly at the stop.
+learns to stop; one cut by a stop string keeps tokens up to the one that completed it, while
+its text ends exactly at the stop. Prompts are rendered by the policy's chat format
+(`chat_format`), the one every engine, SFT and serving use.
 
 Import this module lazily: it imports torch, transformers and peft at module level.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,37 +35,18 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from flywheel.policy.base import (
-    AdapterRef,
-    Completion,
-    PolicyError,
-    SamplingParams,
-    json_object_end,
-)
+from flywheel.policy.base import AdapterRef, Completion, PolicyError, SamplingParams
+from flywheel.policy.chat_format import ChatFormat, load_chat_format
 from flywheel.policy.logprobs import sequence_logprobs, token_logprobs
 
 T = TypeVar("T")
-Messages = Sequence[dict[str, Any]]
-
-
-def chat_prompt_ids(tokenizer: Any, messages: Messages, prefill: str = "") -> list[int]:
-    """Token ids of the chat prompt (generation prompt added) followed by `prefill`.
-
-    The ids a completion is sampled after, and so the ids SFT trains a completion after.
-    """
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
-                                         tokenize=False)
-    assert isinstance(text, str)
-    return list(tokenizer(text + prefill, add_special_tokens=False)["input_ids"])
+Messages = Sequence[Mapping[str, Any]]
+Tools = Sequence[Mapping[str, Any]] | None
 
 
 def stop_cut(text: str, params: SamplingParams) -> int | None:
-    """Where the completion `text` must end by `params`' stop conditions; None = not yet."""
+    """Where the completion `text` must end by `params`' stop strings; None = not yet."""
     cuts = [text.find(s) + len(s) for s in params.stop if s and s in text]
-    if params.stop_at_json_end:
-        end = json_object_end(params.prefill + text)
-        if end is not None:
-            cuts.append(max(end - len(params.prefill), 0))
     return min(cuts) if cuts else None
 
 
@@ -91,9 +73,12 @@ class LocalPolicy:
     """The Policy protocol served in-process; adapters are PEFT LoRA directories."""
 
     def __init__(self, model_dir: Path, *, policy_name: str = "policy", device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, max_batch: int = 8) -> None:
+                 dtype: torch.dtype = torch.float32, max_batch: int = 8,
+                 chat_template: str = "auto") -> None:
         self.policy_name, self.max_batch = policy_name, max_batch
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        # Its own tokenizer: callers may render and parse while the worker thread decodes.
+        self._chat_format = load_chat_format(model_dir, chat_template)
         self.tokenizer.padding_side = "left"
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
         eos = model.generation_config.eos_token_id
@@ -115,14 +100,21 @@ class LocalPolicy:
 
     # -- Policy protocol ---------------------------------------------------------------------
 
-    async def sample(self, messages: Messages, params: SamplingParams, *,
+    @property
+    def chat_format(self) -> ChatFormat:
+        return self._chat_format
+
+    async def sample(self, messages: Messages, params: SamplingParams, *, tools: Tools = None,
                      adapter: AdapterRef | None = None) -> list[Completion]:
-        return (await self.sample_many([messages], params, adapter=adapter))[0]
+        return (await self.sample_many([messages], params, tools=tools, adapter=adapter))[0]
 
     async def sample_many(self, prompts: Sequence[Messages], params: SamplingParams, *,
-                          adapter: AdapterRef | None = None) -> list[list[Completion]]:
-        """`params.n` completions for each prompt, rows of all prompts batched together."""
-        flat = await self._run(self._sample_sync, list(prompts), params, self._name(adapter))
+                          tools: Tools = None, adapter: AdapterRef | None = None
+                          ) -> list[list[Completion]]:
+        """`params.n` completions for each prompt (all offered `tools`), rows of all prompts
+        batched together."""
+        flat = await self._run(self._sample_sync, list(prompts), params, self._name(adapter),
+                               tools)
         return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
     async def ensure_adapter(self, adapter: AdapterRef) -> None:
@@ -140,12 +132,9 @@ class LocalPolicy:
 
     # -- extras for tests, the trainer and benchmarks ------------------------------------------
 
-    def prompt_ids(self, messages: Messages, prefill: str = "") -> list[int]:
-        """Token ids of the chat prompt (generation prompt added) followed by `prefill`.
-
-        Not while a sample runs: the fast tokenizer must not be used from two threads at once.
-        """
-        return chat_prompt_ids(self.tokenizer, messages, prefill)
+    def prompt_ids(self, messages: Messages, tools: Tools = None) -> list[int]:
+        """Token ids of the chat prompt, generation prompt added (`chat_format.render`)."""
+        return self._chat_format.render(messages, tools)
 
     async def logprobs(self, prompt_ids: Sequence[int], completion_ids: Sequence[int],
                        temperature: float, *, adapter: AdapterRef | None = None) -> list[float]:
@@ -214,8 +203,8 @@ class LocalPolicy:
             self.model = self.model.unload()
 
     def _sample_sync(self, prompts: list[Messages], params: SamplingParams,
-                     name: str | None) -> list[Completion]:
-        rows = [ids for m in prompts for ids in [self.prompt_ids(m, params.prefill)] * params.n]
+                     name: str | None, tools: Tools = None) -> list[Completion]:
+        rows = [ids for m in prompts for ids in [self.prompt_ids(m, tools)] * params.n]
         out: list[Completion] = []
         device = next(self.model.parameters()).device
         cuda = [device.index or 0] if device.type == "cuda" else []
@@ -244,7 +233,7 @@ class LocalPolicy:
             return_dict_in_generate=True, output_logits=True)
         watch = _StopWatch(self._decode, width, params)
         # Decoding every row at every step costs little, but nothing at all when unneeded.
-        criteria = [watch] if params.stop or params.stop_at_json_end else []
+        criteria = [watch] if params.stop else []
         started = time.monotonic()
         result = cast(Any, self.model).generate(
             input_ids=input_ids, attention_mask=mask, generation_config=config,
