@@ -180,8 +180,10 @@ class GateSettings(BaseModel):
     """`auto`: the gate promotes or rejects; `manual`: it recommends, an operator decides."""
     samples_per_task: int = Field(default=4, ge=1)
     """k: attempts per holdout task and side (same seeds for candidate and production)."""
-    temperature: float = Field(default=0.7, gt=0)
-    """Sampling temperature of the evaluation."""
+    temperature: float = Field(default=0.7, ge=0)
+    """Sampling temperature of the evaluation; 0 = greedy decoding (every sample of a task is
+    the same: use `samples_per_task` 1), which is how an agent calling production with
+    `temperature: 0` is answered."""
     seed: int = 1234
     """Base of the per-task seeds (the same for every side and every evaluation)."""
     max_tasks: int | None = None

@@ -264,9 +264,10 @@ _CODES = {"missing": "missing_required_parameter", "json_invalid": "invalid_json
 
 
 def request_error(err: ValidationError) -> RequestError:
-    """The first problem of `err` (union alternatives at one place joined by "or")."""
+    """The deepest problem of `err` (of a union, the alternative that got furthest is the
+    one the client meant); alternatives failing at the same place are joined by "or"."""
     errors = err.errors(include_url=False)
-    first = errors[0]
+    first = max(errors, key=lambda e: len(param_path(tuple(e["loc"])) or ""))
     param = param_path(tuple(first["loc"]))
     same = [e["msg"] for e in errors if param_path(tuple(e["loc"])) == param]
     msg = " or ".join(dict.fromkeys(same))
