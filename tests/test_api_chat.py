@@ -92,6 +92,17 @@ def test_missing_model_and_bodies_that_are_not_requests() -> None:
         assert err.status == 400 and says in err.message, (raw, err.message)
 
 
+def test_parameters_that_would_change_the_answer_are_refused_not_ignored() -> None:
+    assert parse_request(body(logprobs=False, frequency_penalty=0, response_format={
+        "type": "text"}, logit_bias={}))
+    for fields in ({"logprobs": True}, {"top_logprobs": 3}, {"presence_penalty": 0.5},
+                   {"logit_bias": {"50256": -100}},
+                   {"response_format": {"type": "json_object"}}):
+        err = refused(body(**fields))
+        (param,) = fields
+        assert (err.param, err.code) == (param, "unsupported_parameter"), err.message
+
+
 def test_deep_nesting_is_a_400_not_a_crash() -> None:
     deep = b"[" * 100_000 + b"]" * 100_000
     for raw in (deep, b'{"model": "m", "messages": ' + deep + b"}",

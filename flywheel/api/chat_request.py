@@ -168,6 +168,14 @@ class ChatRequest(_Model):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     """vLLM's extension: `prompt_token_ids` and each choice's `token_ids` in the answer."""
+    # Known OpenAI parameters the engines do not implement: refused when they would change
+    # the answer, rather than silently ignored.
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     def stops(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
@@ -222,6 +230,7 @@ def parse_request(body: bytes) -> ChatRequest:
     except ValidationError as err:
         raise request_error(err) from None
     check_tool_choice(request)
+    check_supported(request)
     if len(request.stops()) > MAX_STOP:
         raise RequestError(f"at most {MAX_STOP} stop sequences are allowed",
                            param="stop")
@@ -238,6 +247,21 @@ def check_tool_choice(request: ChatRequest) -> None:
         raise RequestError(f"tool_choice names the function {choice[len('function:'):]!r}, "
                            f"which is not among the tools offered ({names})",
                            param="tool_choice.function.name")
+
+
+def check_supported(request: ChatRequest) -> None:
+    unsupported = {
+        "logprobs": request.logprobs is True, "top_logprobs": bool(request.top_logprobs),
+        "frequency_penalty": bool(request.frequency_penalty),
+        "presence_penalty": bool(request.presence_penalty),
+        "logit_bias": bool(request.logit_bias),
+        "response_format": request.response_format is not None
+        and request.response_format.get("type", "text") != "text"}
+    for param, used in unsupported.items():
+        if used:
+            raise RequestError(f"{param} is not supported by this server (it would change the "
+                               "answer, so it is refused rather than ignored); leave it out",
+                               param=param, code="unsupported_parameter")
 
 
 _FIELDS = frozenset(name for model in (
