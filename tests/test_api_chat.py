@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from flywheel.api.chat_decoding import CallMarkup, answer, decoding
+from flywheel.api.chat_decoding import CallMarkup, answer, decoding, required_prefill
 from flywheel.api.chat_request import RequestError, param_path, parse_request
 from flywheel.api.chat_stream import chunks, events, pieces
 from flywheel.policy.chat_format import ChatFormat, load_chat_format
@@ -150,17 +150,28 @@ def test_param_path_drops_union_labels() -> None:
 def test_call_markup_read_off_the_bundled_template(fmt: ChatFormat) -> None:
     tools = [WEATHER, EMAIL]
     markup = CallMarkup.of(fmt, USER, tools, "send_email")
-    assert markup.required_prefill() == '<tool_call>\n{"name": "'
+    assert required_prefill([markup, CallMarkup.of(fmt, USER, tools, "get_weather")]) == \
+        '<tool_call>\n{"name": "'
     # `"send_email"` alone would split the `",` token the model was trained on.
     assert markup.named_prefill() == '<tool_call>\n{"name": "send_email", "arguments":'
     assert markup.closing == "</tool_call>"
     prompt = fmt.render_text(USER, tools)
-    for prefill in (markup.required_prefill(), markup.named_prefill()):
+    for prefill in (required_prefill([markup]), markup.named_prefill()):
         demo = fmt.reply_text(USER, {"content": None, "tool_calls": [
             {"type": "function", "function": {"name": "send_email", "arguments": {"to": "a"}}}]},
             tools)
         sampled = fmt.encode(prompt + prefill)
         assert (fmt.encode(prompt) + fmt.encode(demo))[:len(sampled)] == sampled
+
+
+def test_a_function_named_like_the_markup(fmt: ChatFormat) -> None:
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+             for n in ("call", "name")]
+    for name in ("call", "name"):
+        markup = CallMarkup.of(fmt, USER, tools, name)
+        assert markup.named_prefill() == f'<tool_call>\n{{"name": "{name}", "arguments":'
+    assert required_prefill([CallMarkup.of(fmt, USER, tools, n) for n in ("call", "name")]) \
+        == '<tool_call>\n{"name": "'
 
 
 def test_decoding_per_tool_choice(fmt: ChatFormat) -> None:

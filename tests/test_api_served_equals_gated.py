@@ -50,7 +50,7 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
 TOKEN = "tok-agent"
-SFT_STEPS, SFT_BATCH, SFT_LR = 6, 4, 2e-3
+SFT_STEPS, SFT_BATCH, SFT_LR = 4, 4, 2e-3
 MAX_TOKENS = 40
 TOOLS = [  # as the miner stores an agent's tools (flat); the agent sends them nested
     {"type": "function", "name": "get_weather", "description": "Current weather for a city",
@@ -174,9 +174,12 @@ async def test_production_answers_score_as_the_gate_measured(db_url: str,
     gated_by_task = {a.task: a.success for a in gated.attempts}
     gated_rate = metrics(gated).success_rate
     served_rate = sum(served.values()) / len(served)
+    misses = [(t.messages[-1]["content"], a.choices[0].message.tool_calls
+               or a.choices[0].message.content) for a, t in answers if not served[str(t.task_id)]]
     report = (f"gated {gated_rate:.3f} (record {record['candidate']['success_rate']:.3f}, base "
               f"{record['baseline']['success_rate']:.3f}) served {served_rate:.3f} on "
-              f"{len(served)} tasks; per task gated {gated_by_task} served {served}; SFT losses "
+              f"{len(served)} tasks; per task gated {list(gated_by_task.values())} served "
+              f"{[served[k] for k in gated_by_task]}; served misses {misses}; SFT losses "
               f"{[round(x, 3) for x in losses]}; {time.perf_counter() - started:.0f}s (SFT "
               f"{t_sft - started:.0f}, gate {t_gate - t_sft:.0f}, served {t_served - t_gate:.0f})")
     print(report)

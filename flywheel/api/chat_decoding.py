@@ -58,14 +58,25 @@ def decoding(fmt: ChatFormat, messages: Sequence[Mapping[str, Any]],
     if not tools or choice == "none":
         return Decoding(choice, tools, parse_calls=False)
     single = not parallel or choice.startswith("function:")
-    name = choice.removeprefix("function:") if choice.startswith("function:") else \
-        str(tools[0]["function"]["name"])
-    markup = CallMarkup.of(fmt, messages, tools, name)
-    stop = (markup.closing,) if single and markup.closing else ()
+    names = [choice.removeprefix("function:")] if choice.startswith("function:") else \
+        [str(t["function"]["name"]) for t in tools]
+    markups = [CallMarkup.of(fmt, messages, tools, name) for name in names]
+    closing = markups[0].closing
+    stop = (closing,) if single and closing else ()
     if choice == "auto":
         return Decoding(choice, tools, stop=stop, max_calls=1 if single else None)
-    prefill = markup.required_prefill() if choice == "required" else markup.named_prefill()
+    prefill = required_prefill(markups) if choice == "required" else markups[0].named_prefill()
     return Decoding(choice, tools, prefill=prefill, stop=stop, max_calls=1 if single else None)
+
+
+def required_prefill(markups: Sequence[CallMarkup]) -> str:
+    """The call opening up to the function name (the same text for every tool), cut back
+    until it ends on a token boundary of every tool's rendered call."""
+    first = markups[0]
+    for end in range(first.name_start, 0, -1):
+        if all(m.reply[:end] == first.reply[:end] and m.on_boundary(end) for m in markups):
+            return first.reply[:end]
+    return first.reply[:first.name_start]
 
 
 @dataclass(frozen=True)
@@ -84,12 +95,19 @@ class CallMarkup:
     @classmethod
     def of(cls, fmt: ChatFormat, messages: Sequence[Mapping[str, Any]],
            tools: list[dict[str, Any]], name: str) -> CallMarkup:
-        call = {"type": "function", "function": {"name": name, "arguments": {_PROBE_ARG: 1}}}
-        reply = fmt.reply_text(messages, {"content": None, "tool_calls": [call]}, tools)
-        name_start = reply.find(name)
+        def rendered(fn: str) -> str:
+            call = {"type": "function", "function": {"name": fn, "arguments": {_PROBE_ARG: 1}}}
+            return fmt.reply_text(messages, {"content": None, "tool_calls": [call]}, tools)
+
+        reply = rendered(name)
+        # Where the name starts: where a call to another name (first letter differs) departs.
+        other = rendered("qx_probe" if not name.startswith("q") else "xq_probe")
+        name_start = next((i for i, (a, b) in enumerate(zip(reply, other, strict=False))
+                           if a != b), min(len(reply), len(other)))
         probe = reply.find(f'"{_PROBE_ARG}"')
         arguments_start = reply.rfind("{", 0, probe)
-        if name_start < 0 or probe < 0 or not name_start < arguments_start:
+        if reply[name_start:name_start + len(name)] != name or probe < 0 \
+                or not name_start + len(name) <= arguments_start:
             raise ChatFormatError(f"{fmt.name}: a rendered call does not write the function "
                                   f"name before its arguments ({reply!r}); tool_choice "
                                   "'required' or a named function cannot be served with it")
@@ -99,17 +117,10 @@ class CallMarkup:
         return cls(fmt, fmt.render_text(messages, tools), reply, name_start,
                    name_start + len(name), arguments_start, closing)
 
-    def required_prefill(self) -> str:
-        """The call opening up to the function name, cut back to a token boundary."""
-        for end in range(self.name_start, 0, -1):
-            if self._on_boundary(end):
-                return self.reply[:end]
-        return self.reply[:self.name_start]
-
     def named_prefill(self) -> str:
         """The call through its function name, up to the arguments, on a token boundary."""
         for end in range(self.arguments_start, self.name_end - 1, -1):
-            if self._on_boundary(end):
+            if self.on_boundary(end):
                 return self.reply[:end]
         return self.reply[:self.arguments_start]
 
@@ -118,8 +129,9 @@ class CallMarkup:
         # SFT tokenizes the prompt and the reply separately (`ChatFormat.encode_reply`).
         return self.fmt.encode(self.prompt) + self.fmt.encode(self.reply)
 
-    def _on_boundary(self, end: int) -> bool:
-        # The engines encode `prompt + prefill` as one text.
+    def on_boundary(self, end: int) -> bool:
+        """`ids(prompt + reply[:end])` is a prefix of what SFT trained on. The engines encode
+        `prompt + prefill` as one text."""
         sampled = self.fmt.encode(self.prompt + self.reply[:end])
         return self._trained[:len(sampled)] == sampled
 
