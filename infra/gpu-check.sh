@@ -91,17 +91,12 @@ for version in (1, 2):
     print(f"gpu-check: wrote adapter {out / f'v{version}'}")
 EOF
 
-# Chat template: models converted from GGUF may lack one; SmolLM2 speaks ChatML.
+# The policy's chat format (rollout.chat_template, default auto): vLLM must render prompts
+# with exactly that template; VLLMPolicy checks its prompt ids against the format's.
 TEMPLATE_ARGS=()
-if ! grep -qs chat_template "$MODEL_DIR/tokenizer_config.json" && [ ! -f "$MODEL_DIR/chat_template.jinja" ]; then
-  cat >"$WORK/chatml.jinja" <<'EOF'
-{% for m in messages %}<|im_start|>{{ m['role'] }}
-{{ m['content'] }}{% if not (loop.last and continue_final_message) %}<|im_end|>
-{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
-{% endif %}
-EOF
-  TEMPLATE_ARGS=(--chat-template "$WORK/chatml.jinja")
-fi
+CHAT_TEMPLATE=$(FLYWHEEL_ROLLOUT__MODEL_DIR="$MODEL_DIR" "$PY" -m flywheel.cli.main policy \
+  chat-template 2>/dev/null) || CHAT_TEMPLATE=""  # empty: the model's own template, built in
+[ -n "$CHAT_TEMPLATE" ] && TEMPLATE_ARGS=(--chat-template "$CHAT_TEMPLATE")
 
 echo "gpu-check: starting vLLM on port $PORT (log: $WORK/vllm.log)"
 VLLM_ALLOW_RUNTIME_LORA_UPDATING=True setsid "$PY" -m vllm.entrypoints.openai.api_server \
@@ -120,22 +115,27 @@ until "$PY" -c "import urllib.request, sys; urllib.request.urlopen('$URL/health'
 done
 echo "gpu-check: vLLM healthy after ${SECONDS}s"
 
-"$PY" - "$URL" "$WORK/adapters/gpucheck" <<'EOF'
+"$PY" - "$URL" "$WORK/adapters/gpucheck" "$MODEL_DIR" <<'EOF'
 import asyncio
 import sys
 import time
 from pathlib import Path
 
 from flywheel.policy.base import AdapterRef, SamplingParams
+from flywheel.policy.chat_format import load_chat_format
 from flywheel.policy.vllm import VLLMPolicy
 
-URL, ADAPTERS = sys.argv[1], Path(sys.argv[2])
+URL, ADAPTERS, MODEL_DIR = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
 MESSAGES = [{"role": "user", "content": "Name three colours, as a JSON list."}]
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather for a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}}
 G = 8
 
 
 async def main() -> None:
-    policy = VLLMPolicy([URL], model="gpucheck-base", policy_name="gpucheck", retention=2)
+    policy = VLLMPolicy([URL], model="gpucheck-base", policy_name="gpucheck", retention=2,
+                        chat_format=lambda: load_chat_format(MODEL_DIR))
     try:
         versions = [AdapterRef("gpucheck", v, ADAPTERS / f"v{v}") for v in (1, 2)]
         for ref in versions:
@@ -159,10 +159,14 @@ async def main() -> None:
             tokens = sum(len(c.token_ids) for c in out)
             print(f"gpu-check: {label:>12}: {4} groups x G={G}, {tokens} tokens in {wall:.2f}s "
                   f"= {tokens / wall:,.0f} tokens/s; sample: {out[0].text[:60]!r}")
-        prefilled = await policy.sample(
-            MESSAGES, SamplingParams(n=G, max_tokens=48, prefill='{"colours": ',
-                                     stop_at_json_end=True), adapter=versions[1])
-        print(f"gpu-check: prefill + stop_at_json_end sample: {prefilled[0].text!r}")
+        # With tools: vLLM renders them (tool_choice "none"); the first answer's prompt ids
+        # are checked against the policy's chat format, and the text parses as a message.
+        replies = await policy.sample(
+            [{"role": "user", "content": "What's the weather in Paris?"}],
+            SamplingParams(n=G, max_tokens=64, seed=0), tools=[WEATHER], adapter=versions[1])
+        parsed = [policy.chat_format.parse(c.text) for c in replies]
+        print(f"gpu-check: tools rendered as {policy.chat_format.version}; reply "
+              f"{parsed[0]}; {sum(bool(p['tool_calls']) for p in parsed)}/{G} call a tool")
         for ref in versions:
             await policy.retire_adapter(ref)
     finally:

@@ -121,7 +121,23 @@ def test_a_template_file_without_a_response_template_is_refused(tokenizer: Any,
         chat_format_for(tokenizer, str(path))
     (tmp_path / "mine.response.json").write_text(
         (bundled_template().parent / f"{BUNDLED}.response.json").read_text())
-    assert chat_format_for(tokenizer, str(path)).name == "mine"
+    copy = chat_format_for(tokenizer, str(path))  # a copy of the bundled one is the same format
+    assert (copy.name, copy.version, copy.path) == (BUNDLED, fmt_version(tokenizer), path)
+    path.write_text(bundled_template().read_text().replace("named SmolLM", "named Mine"))
+    mine = chat_format_for(tokenizer, str(path))
+    assert mine.name == "mine" and mine.version != fmt_version(tokenizer)
+
+
+def fmt_version(tokenizer: Any) -> str:
+    return chat_format_for(tokenizer).version
+
+
+def test_write_puts_both_templates_where_a_server_can_read_them(fmt: ChatFormat,
+                                                                tmp_path: Path) -> None:
+    fmt.write(tmp_path / "volume" / "chat-template.jinja")
+    assert (tmp_path / "volume" / "chat-template.jinja").read_text() == fmt.template
+    assert json.loads((tmp_path / "volume" / "chat-template.response.json").read_text()) \
+        == fmt.response_template
 
 
 # -- the bundled template's properties ------------------------------------------------------------

@@ -489,3 +489,20 @@ async def test_real_vllm_serves_two_adapter_versions() -> None:
             await policy.retire_adapter(AdapterRef("gpucheck", version, Path(path)))
     finally:
         await policy.close()
+
+
+async def test_a_models_own_template_rendered_otherwise_is_only_warned_about(
+        fmt: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """With the model's own template (no file of ours), vLLM's own serialisation of tool
+    dicts may differ from ours; rollouts keep vLLM's ids, so that is a warning, not a stop."""
+    from flywheel.policy.chat_format import ChatFormat
+
+    own = ChatFormat(fmt.tokenizer, name="model", chat_template=fmt.template,
+                     response_template=fmt.response_template)
+    assert own.path is None
+    cluster = FakeCluster(1)  # renders with `_render`: not what `own` renders
+    with caplog.at_level("WARNING", logger="flywheel.policy.vllm"):
+        (c,) = await cluster.policy(chat_format=own).sample(MESSAGES, SamplingParams(n=1),
+                                                            tools=[WEATHER])
+    assert c.prompt_token_ids[:7] == [ord(ch) for ch in "<tools>"]
+    assert "renders prompts differently" in caplog.text

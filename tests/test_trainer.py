@@ -21,9 +21,8 @@ from flywheel.config import Settings, settings_env
 from flywheel.db.engine import make_engine
 from flywheel.demo.samples import TOOLS
 from flywheel.environments import load_environment
-from flywheel.environments.prompt import TOOL_PREFILL
 from flywheel.events import GroupScored, GroupScoredPayload
-from flywheel.mining.demos import Demonstration
+from flywheel.mining.demos import Demonstration, assistant_reply
 from flywheel.mining.store import store_task
 from flywheel.policy.local import LocalPolicy
 from flywheel.policy.model_cache import resolve_model_dir
@@ -108,9 +107,9 @@ def torchrun(args: list[str], env: dict[str, str], log: Path) -> subprocess.Pope
 
 def _demos() -> list[Demonstration]:
     return [Demonstration(
-        messages=[{"role": "user", "content": f"What's the weather in {city}?"}],
-        prefill=TOOL_PREFILL, completion=f'get_weather", "arguments": {{"city": "{city}", '
-        '"unit": "c"}}', source_trajectory_id=uuid.uuid4(), fingerprint=city, env="tool_call")
+        messages=[{"role": "user", "content": f"What's the weather in {city}?"}], tools=TOOLS,
+        reply=assistant_reply([("get_weather", {"city": city, "unit": "c"})]),
+        source_trajectory_id=uuid.uuid4(), fingerprint=city, env="tool_call")
         for city in ["Oslo", "Lima", "Pune", "Quito"]]
 
 

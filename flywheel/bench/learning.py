@@ -132,5 +132,5 @@ async def _run(steps: int, tasks_n: int, batch: int, group_size: int, max_tokens
 
 
 def run_learning(steps: int = 30, *, tasks: int = 6, batch: int = 2, group_size: int = 8,
-                 max_tokens: int = 32, lr: float = 2e-4, sft_steps: int = 0) -> dict[str, Any]:
+                 max_tokens: int = 64, lr: float = 2e-4, sft_steps: int = 0) -> dict[str, Any]:
     return asyncio.run(_run(steps, tasks, batch, group_size, max_tokens, lr, sft_steps))

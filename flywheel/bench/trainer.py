@@ -257,7 +257,7 @@ def _rounded(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_trainer_bench(steps: int = 3, *, batch: int = 2, group_size: int = 8,
-                      max_tokens: int = 32, lr: float = 2e-4, tasks: int = 6,
+                      max_tokens: int = 64, lr: float = 2e-4, tasks: int = 6,
                       staleness: int = 1, sequential: bool = True,
                       trl: bool = True) -> dict[str, Any]:
     if steps < 1 or batch < 1 or staleness < 1:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
@@ -31,10 +32,23 @@ def chat_format_info() -> dict[str, Any]:
 
 
 @policy_app.command("chat-template")
-def chat_template(as_json: JsonOpt = False) -> None:
+def chat_template(
+    write: Annotated[Path | None, typer.Option(
+        help="Also write the template to this .jinja file (and its response template "
+             "beside it), e.g. onto a volume a vLLM image mounts; then print that path.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Print the chat template file of the policy's format, for `vllm serve --chat-template`
     (rollouts, the gate, SFT and serving must all render prompts with it)."""
     info = chat_format_info()
+    if write is not None:
+        from flywheel.policy.factory import policy_chat_format
+
+        if write.suffix != ".jinja":
+            _fail(f"--write needs a .jinja path, got {write}")
+        policy_chat_format(_settings()).write(write)
+        info["path"] = str(write)
     if as_json:
         print_result(info, True)
         return

@@ -42,6 +42,7 @@ from flywheel.mining.build import (
     tool_specs,
 )
 from flywheel.mining.classify import parse_arguments
+from flywheel.mining.verify import assistant_message
 from flywheel.schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -75,12 +76,10 @@ class Demonstration:
 
 
 def assistant_reply(calls: Iterable[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    """An assistant message making `calls` (name, arguments), ids as the chat format's
-    parser gives them."""
-    return {"role": "assistant", "content": None, "tool_calls": [
-        {"id": f"call_{n}", "type": "function",
-         "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
-        for n, (name, args) in enumerate(calls)]}
+    """An assistant message making `calls` (name, arguments), arguments as JSON strings and
+    ids as the chat format's parser gives them."""
+    return assistant_message([(name, json.dumps(args, ensure_ascii=False))
+                              for name, args in calls])
 
 
 @dataclass(frozen=True)

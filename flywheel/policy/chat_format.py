@@ -238,6 +238,15 @@ class ChatFormat:
             raise ChatFormatError(f"{self.name}: the response template does not read back what "
                                   f"the chat template renders (sent {want}, parsed {parsed})")
 
+    def write(self, path: Path) -> None:
+        """Write the chat template to `path` and the response template beside it
+        (`<stem>.response.json`): for a server that cannot run Flywheel (a vLLM image) to
+        read with `--chat-template`. The model's own template is written too."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.template)
+        path.with_name(path.name.removesuffix(".jinja") + RESPONSE_SUFFIX).write_text(
+            json.dumps(self.response_template, indent=2) + "\n")
+
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version,
                 "path": None if self.path is None else str(self.path)}
@@ -305,7 +314,11 @@ def renders_tools(tokenizer: Any) -> bool:
 def _from_file(tokenizer: Any, path: Path, name: str) -> ChatFormat:
     response_file = path.with_name(path.name.removesuffix(".jinja") + RESPONSE_SUFFIX)
     response = json.loads(response_file.read_text()) if response_file.is_file() else None
-    return ChatFormat(tokenizer, name=name, chat_template=path.read_text(),
+    template = path.read_text()
+    # A copy of a bundled template (e.g. written onto a volume for vLLM) is that template.
+    name = next((p.name.removesuffix(".jinja") for p in sorted(TEMPLATES.glob("*.jinja"))
+                 if p.read_text() == template), name)
+    return ChatFormat(tokenizer, name=name, chat_template=template,
                       response_template=response, path=path.resolve())
 
 

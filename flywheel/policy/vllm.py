@@ -307,17 +307,21 @@ class VLLMPolicy:
         if r.url in self._rendering_checked or self._format is None:
             return
         # A thread: the first call loads the tokenizer.
-        mine = await asyncio.to_thread(lambda: self.chat_format.encode(
-            self.chat_format.render_text(messages, tools) + prefill))
+        fmt = self.chat_format
+        mine = await asyncio.to_thread(
+            lambda: fmt.encode(fmt.render_text(messages, tools) + prefill))
         if mine != prompt_ids:
             at = next((i for i, (a, b) in enumerate(zip(mine, prompt_ids, strict=False))
                        if a != b), min(len(mine), len(prompt_ids)))
-            raise PolicyError(
-                f"{r.url} renders prompts differently from the policy's chat format "
-                f"{self.chat_format.version} (first difference at token {at} of "
-                f"{len(prompt_ids)}): start vLLM with --chat-template "
-                f"{self.chat_format.path or '<the model template>'} (`flywheel policy "
-                "chat-template` prints it)")
+            what = (f"{r.url} renders prompts differently from the policy's chat format "
+                    f"{fmt.version} (first difference at token {at} of {len(prompt_ids)})")
+            if fmt.path is not None:  # our template normalises tools: a wrong --chat-template
+                raise PolicyError(f"{what}: start vLLM with --chat-template {fmt.path} "
+                                  "(`flywheel policy chat-template` prints it)")
+            # The model's own template: vLLM serialises tool dicts its own way (nulls,
+            # extra keys), which a template dumping them whole shows; SFT sees the difference.
+            log.warning("%s; rollouts keep vLLM's prompt ids, SFT demonstrations are "
+                        "rendered locally", what)
         self._rendering_checked.add(r.url)
 
     async def _post_chat(self, body: dict[str, Any], candidates: list[_Replica],
