@@ -58,6 +58,8 @@ def decoding(fmt: ChatFormat, messages: Sequence[Mapping[str, Any]],
     if not tools or choice == "none":
         return Decoding(choice, tools, parse_calls=False)
     single = not parallel or choice.startswith("function:")
+    if choice == "auto" and not single:
+        return Decoding(choice, tools)  # the gate's decoding: nothing to read off the template
     names = [choice.removeprefix("function:")] if choice.startswith("function:") else \
         [str(t["function"]["name"]) for t in tools]
     markups = [CallMarkup.of(fmt, messages, tools, name) for name in names]

@@ -35,7 +35,9 @@ async def complete(serving: ServingSync, request: ChatRequest) -> dict[str, Any]
     # A thread: the vLLM engine loads the tokenizer it parses with on first use.
     fmt = await asyncio.to_thread(lambda: policy.chat_format)
     messages, tools = request.template_messages(), request.template_tools()
-    d = decoding(fmt, messages, tools, request.choice(), request.parallel_tool_calls)
+    # A thread: reading the call markup off the template renders and tokenizes.
+    d = await asyncio.to_thread(decoding, fmt, messages, tools, request.choice(),
+                                request.parallel_tool_calls)
     params = SamplingParams(
         n=request.n, seed=request.seed,
         max_tokens=request.max_completion_tokens or request.max_tokens or DEFAULT_MAX_TOKENS,
