@@ -12,9 +12,9 @@ served prompts are token for token the ones the policy's chat format renders for
 
 The sides must also agree on failures: with the gate's 40-token budget a `create_ticket`
 call (about 41 tokens in the chat format) is cut before its closing tag on both sides, so
-success is strictly between 0 and 1. Measured on the shared 2-core machine under load
-(load average ~14): gated 0.625 = served 0.625 on 8 tasks, task by task, base model 0.000;
-636 s (SFT 477, gate 107, served 51).
+success is strictly between 0 and 1. Measured on the shared 2-core machine: gated 0.625 =
+served 0.625 on 8 tasks, task by task, base model 0.000; 103 s at load average ~8 (SFT 42,
+gate 36, served 25), 636 s at ~14.
 """
 
 from __future__ import annotations
