@@ -226,8 +226,10 @@ class GateSettings(BaseModel):
     """Attempts per holdout task and side in one round: the gate looks at the outcome after
     every round (each round covers every task equally, which the sequential test needs).
     Smaller rounds stop sooner; larger ones batch better on a CPU engine."""
-    temperature: float = Field(default=0.7, gt=0)
-    """Sampling temperature of the evaluation."""
+    temperature: float = Field(default=0.7, ge=0)
+    """Sampling temperature of the evaluation; 0 = greedy decoding (every sample of a task is
+    the same: use `samples_per_task` 1 and `round_samples` 1), which is how an agent calling
+    production with `temperature: 0` is answered."""
     seed: int = 1234
     """Base of the per-task seeds (the same for every side and every evaluation)."""
     max_tasks: int | None = None

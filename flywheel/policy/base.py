@@ -50,6 +50,11 @@ class SamplingParams:
     stop: Sequence[str] = ()
     """Generation stops after any of these strings (kept in the text). Rollouts use none: the
     end-of-turn token ends a reply, as in serving."""
+    prefill: str = ""
+    """Text the assistant turn starts with, rendered right after the generation prompt: part
+    of the prompt (and of `prompt_token_ids`), not of the completion. Only serving uses one,
+    for `tool_choice` "required" or a named function (`flywheel.api.chat_decoding`); rollouts
+    and the gate never do."""
 
 
 @dataclass(frozen=True)

@@ -147,9 +147,12 @@ class LocalPolicy:
 
     # -- extras for tests, the trainer and benchmarks ------------------------------------------
 
-    def prompt_ids(self, messages: Messages, tools: Tools = None) -> list[int]:
-        """Token ids of the chat prompt, generation prompt added (`chat_format.render`)."""
-        return self._chat_format.render(messages, tools)
+    def prompt_ids(self, messages: Messages, tools: Tools = None, prefill: str = "") -> list[int]:
+        """Token ids of the chat prompt, generation prompt added (`chat_format.render`), and
+        `prefill` after it (encoded with the prompt as one text, as vLLM does)."""
+        if not prefill:
+            return self._chat_format.render(messages, tools)
+        return self._chat_format.encode(self._chat_format.render_text(messages, tools) + prefill)
 
     async def logprobs(self, prompt_ids: Sequence[int], completion_ids: Sequence[int],
                        temperature: float, *, adapter: AdapterRef | None = None) -> list[float]:
@@ -220,7 +223,8 @@ class LocalPolicy:
 
     def _sample_sync(self, prompts: list[Messages], params: SamplingParams,
                      name: str | None, tools: Tools = None) -> list[Completion]:
-        rows = [ids for m in prompts for ids in [self.prompt_ids(m, tools)] * params.n]
+        rows = [ids for m in prompts
+                for ids in [self.prompt_ids(m, tools, params.prefill)] * params.n]
         out: list[Completion] = []
         device = next(self.model.parameters()).device
         cuda = [device.index or 0] if device.type == "cuda" else []

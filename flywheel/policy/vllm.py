@@ -324,22 +324,24 @@ class VLLMPolicy:
         prompt_ids = data.get("prompt_token_ids")  # vLLM >= 0.10.2 with return_token_ids
         if prompt_ids is None:
             tok = await self._call_retrying(r, "POST", "/tokenize", {
-                k: body[k] for k in ("model", "messages", "tools") if k in body})
+                k: body[k] for k in ("model", "messages", "tools", "add_generation_prompt",
+                                     "continue_final_message") if k in body})
             prompt_ids = tok["tokens"]
-        await self._check_rendering(r, messages, tools, list(prompt_ids))
+        await self._check_rendering(r, messages, tools, list(prompt_ids), params.prefill)
         return [_completion(c, list(prompt_ids), adapter.name if adapter else None, latency_ms,
                             r.url) for c in sorted(data["choices"], key=lambda c: c["index"])]
 
     async def _check_rendering(self, r: _Replica, messages: Sequence[Mapping[str, Any]],
                                tools: Sequence[Mapping[str, Any]] | None,
-                               prompt_ids: list[int]) -> None:
+                               prompt_ids: list[int], prefill: str = "") -> None:
         """Once per replica: vLLM rendered the prompt exactly as the policy's format does
         (else SFT demonstrations would be trained under another prompt than rollouts)."""
         if r.url in self._rendering_checked or self._format is None:
             return
         # A thread: the first call loads the tokenizer.
         fmt = self.chat_format
-        mine = await asyncio.to_thread(fmt.render, messages, tools)
+        mine = await asyncio.to_thread(
+            lambda: fmt.encode(fmt.render_text(messages, tools) + prefill))
         if mine != prompt_ids:
             at = next((i for i, (a, b) in enumerate(zip(mine, prompt_ids, strict=False))
                        if a != b), min(len(mine), len(prompt_ids)))
@@ -487,6 +489,9 @@ def chat_body(messages: Sequence[Mapping[str, Any]], p: SamplingParams, model: s
         body["seed"] = p.seed  # vLLM gives sample i of the group seed + i
     if p.stop:
         body["stop"] = list(p.stop)
+    if p.prefill:  # serving's tool_choice prefill: vLLM continues the assistant turn
+        body["messages"].append({"role": "assistant", "content": p.prefill})
+        body["continue_final_message"], body["add_generation_prompt"] = True, False
     return body
 
 
