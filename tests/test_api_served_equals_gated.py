@@ -95,10 +95,12 @@ def _settings(db_url: str, home: Path) -> Settings:
         api=ApiSettings(tokens={TOKEN: ["publish"]}, serve=True),
         rollout=RolloutSettings(model_dir=resolve_model_dir(None), max_tokens=MAX_TOKENS),
         trainer=TrainerSettings(adapters_dir=home / "adapters"),
-        # Greedy, one sample per task; the latency guard is loosened only because this
-        # shared 2-core machine makes latency noise, and latency is not what is compared.
-        gate=GateSettings(mode="auto", samples_per_task=1, temperature=0.0,
-                          latency_p95_ratio=100.0))
+        # Greedy, one sample per task, so one round and the fixed exact test (16 greedy
+        # pairs cannot carry the sequential test's e-value to 1/alpha: what is compared here
+        # is served vs gated, not the decision rule); the latency guard is loosened only
+        # because this shared 2-core machine makes latency noise.
+        gate=GateSettings(mode="auto", samples_per_task=1, round_samples=1, temperature=0.0,
+                          test="mcnemar", latency_p95_ratio=100.0))
 
 
 def _warm_start(path: Path) -> list[float]:
@@ -164,7 +166,7 @@ async def test_production_answers_score_as_the_gate_measured(db_url: str,
             holdout = await load_holdout(conn)
         assert [e.type for e in events] == ["AdapterEvaluated", "AdapterPromoted"], \
             f"the warm-started version was not promoted: {record['reasons']} (losses {losses})"
-        gated = await gate.run_for(1, holdout)  # production, as the gate measured it (cached)
+        gated = await gate.run_for(1, holdout, 1)  # production as the gate measured it (cached)
         fmt = policy.chat_format
         prompts = {str(t.task_id): fmt.render(task_messages(t), task_tools(t))
                    for t in holdout.tasks}

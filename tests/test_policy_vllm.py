@@ -27,7 +27,13 @@ from typing import Any
 import httpx
 import pytest
 
-from flywheel.policy.base import AdapterRef, Policy, PolicyError, SamplingParams
+from flywheel.policy.base import (
+    AdapterNotServed,
+    AdapterRef,
+    Policy,
+    PolicyError,
+    SamplingParams,
+)
 from flywheel.policy.vllm import (
     AdapterLoadError,
     ReplicaUnavailable,
@@ -342,6 +348,41 @@ async def test_retention_unloads_the_oldest_versions_but_never_pinned_ones() -> 
     await policy.ensure_adapter(ref(6))
     for r in cluster.replicas:
         assert sorted(r.loaded) == ["policy@v4", "policy@v5", "policy@v6"]
+
+
+async def test_production_pinned_from_the_database_survives_retention_in_another_process(
+        tmp_path: Path) -> None:
+    """Every service's engine shares the replicas: a rollout worker placing its newest
+    versions must not unload what the serving endpoint answers with."""
+    from flywheel.api.completions import sample_placed
+    from flywheel.api.serving import ServingSync, Target
+    from flywheel.config import Settings
+
+    cluster = FakeCluster(2)
+    serving_engine, worker = cluster.policy(retention=3), cluster.policy(retention=1)
+    serving_engine.pin_production("policy@v1")
+    await serving_engine.ensure_adapter(ref(1))
+    for version in (2, 3):  # a worker that never heard of production
+        await worker.ensure_adapter(ref(version))
+    assert all("policy@v1" not in r.loaded for r in cluster.replicas)
+    with pytest.raises(AdapterNotServed):
+        await serving_engine.sample(MESSAGES, SamplingParams(n=1), adapter=ref(1))
+
+    # The endpoint places it again and answers rather than failing the request.
+    settings = Settings(trainer={"adapters_dir": str(tmp_path)})  # type: ignore[arg-type]
+    serving = ServingSync(settings, engine=None, policy=serving_engine)  # type: ignore[arg-type]
+    out = await sample_placed(serving, Target(1, ref(1)), MESSAGES, SamplingParams(n=2), None)
+    assert [c.adapter for c in out] == ["policy@v1"] * 2
+    assert all("policy@v1" in r.loaded for r in cluster.replicas)
+
+    # A worker that pins production (AdapterResolver.protect_production) keeps it.
+    worker.pin_production("policy@v1")
+    for version in (4, 5):
+        await worker.ensure_adapter(ref(version))
+    assert all(sorted(r.loaded) == ["policy@v1", "policy@v5"] for r in cluster.replicas)
+    worker.pin_production("policy@v5")  # promoted: v1 is an ordinary old version again
+    await worker.ensure_adapter(ref(6))
+    assert all(sorted(r.loaded) == ["policy@v5", "policy@v6"] for r in cluster.replicas)
 
 
 async def test_rolling_back_to_an_old_version_does_not_unload_it_again() -> None:

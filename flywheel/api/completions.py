@@ -14,14 +14,15 @@ import asyncio
 import hashlib
 import time
 import uuid
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 from flywheel.adapters import queries
 from flywheel.api.chat_decoding import Decoding, answer, decoding
 from flywheel.api.chat_request import ChatRequest
-from flywheel.api.serving import ServingSync
-from flywheel.policy.base import Completion, SamplingParams
+from flywheel.api.serving import ServingSync, Target
+from flywheel.policy.base import AdapterNotServed, Completion, SamplingParams
 from flywheel.policy.chat_format import ChatFormat
 
 DEFAULT_MAX_TOKENS = 256
@@ -45,8 +46,21 @@ async def complete(serving: ServingSync, request: ChatRequest) -> dict[str, Any]
         top_p=1.0 if request.top_p is None else request.top_p,
         stop=d.stop + request.stops(), prefill=d.prefill)
     started = time.time()
-    out = await policy.sample(messages, params, tools=d.tools, adapter=target.adapter)
+    out = await sample_placed(serving, target, messages, params, d.tools)
     return completion_body(request, target.name, fmt, d, out, started)
+
+
+async def sample_placed(serving: ServingSync, target: Target,
+                        messages: Sequence[Mapping[str, Any]], params: SamplingParams,
+                        tools: Sequence[Mapping[str, Any]] | None) -> list[Completion]:
+    """`Policy.sample` of `target`; when no replica serves its adapter any more (a replica
+    restarted, or retention elsewhere dropped it), place it again and answer anyway."""
+    policy = await serving.loaded_policy()
+    try:
+        return await policy.sample(messages, params, tools=tools, adapter=target.adapter)
+    except AdapterNotServed:
+        await serving.place_again(target)
+        return await policy.sample(messages, params, tools=tools, adapter=target.adapter)
 
 
 def completion_body(request: ChatRequest, model: str, fmt: ChatFormat, d: Decoding,

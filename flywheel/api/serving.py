@@ -94,17 +94,40 @@ class ServingSync:
                     self.current = Target(None, None)
                 return False
             if self.current is not None and self.current.version == row.version:
+                await self._keep_placed(self.current)
                 return False
             adapter = await self.adapters(row.version)
+            policy = await self.loaded_policy()
+            pin = getattr(policy, "pin_production", None)
+            if pin is not None:  # vLLM: no process's retention may unload it (see there)
+                pin(adapter.name if adapter is not None else None)
             if adapter is not None:
                 # Every replica loads and verifies it before the alias moves.
-                await (await self.loaded_policy()).ensure_adapter(adapter)
+                await policy.ensure_adapter(adapter)
+                self._placed[adapter.version] = time.monotonic()
             target = Target(row.version, adapter)
             if row.serving != row.version or row.served_name is None:
                 await self._record(target)
             self.current = target
             log.info("production alias → %s on %s", target.name, self.replicas(target))
             return True
+
+    async def _keep_placed(self, target: Target) -> None:
+        """Place production again every PLACE_TTL_S: a replica that restarted, or retention
+        in a process that had not seen the promotion yet, may have dropped it (vLLM's
+        replicas are shared); `ensure_adapter` only lists where nothing was lost."""
+        adapter = target.adapter
+        if adapter is None or time.monotonic() - self._placed.get(
+                adapter.version, -PLACE_TTL_S) < PLACE_TTL_S:
+            return
+        await (await self.loaded_policy()).ensure_adapter(adapter)
+        self._placed[adapter.version] = time.monotonic()
+
+    async def place_again(self, target: Target) -> None:
+        """`target` was found unloaded while answering: place it now (not at the next TTL)."""
+        if target.adapter is not None:
+            await (await self.loaded_policy()).ensure_adapter(target.adapter)
+            self._placed[target.adapter.version] = time.monotonic()
 
     async def _record(self, target: Target) -> None:
         async with self.engine.begin() as conn:

@@ -53,6 +53,7 @@ class GateService:
     async def _adapter(self, version: int | None) -> AdapterRef | None:
         adapter = await self.adapters(version)
         if adapter is not None:
+            await self.adapters.protect_production(self.policy)
             await self.policy.ensure_adapter(adapter)
         return adapter
 

@@ -79,6 +79,12 @@ class PolicyError(RuntimeError):
     """The engine could not sample (after its own retries)."""
 
 
+class AdapterNotServed(PolicyError):
+    """No replica serves the adapter asked for any more (another process's retention
+    unloaded it from the shared replicas, or a replica restarted): `ensure_adapter` places
+    it again."""
+
+
 @runtime_checkable
 class Policy(Protocol):
     """What rollout workers, the gate and the benchmarks call."""

@@ -46,6 +46,7 @@ from tenacity import (
 )
 
 from flywheel.policy.base import (
+    AdapterNotServed,
     AdapterRef,
     Completion,
     PolicyError,
@@ -120,6 +121,7 @@ class VLLMPolicy:
         self.model, self.policy_name, self.retention = model, policy_name, retention
         self._replicas = [_Replica(url.rstrip("/")) for url in base_urls]
         self._pinned: set[str] = set(pinned or ())
+        self._production: str | None = None
         self._max_retries, self._backoff_s, self._cooldown_s = max_retries, backoff_s, cooldown_s
         self._verify_attempts, self._verify_delay_s = verify_attempts, verify_delay_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -157,6 +159,20 @@ class VLLMPolicy:
 
     def unpin(self, name: str) -> None:
         self._pinned.discard(name)
+
+    def pin_production(self, name: str | None) -> None:
+        """Pin what production serves now (None: the base model), unpinning what it served
+        before. Every process's engine shares the replicas, and retention in any of them
+        (a rollout worker placing its newest version) would otherwise unload production
+        under the serving endpoint: each service pins it from the database
+        (`AdapterResolver.protect_production`) before it places anything."""
+        if name == self._production:
+            return
+        if self._production is not None:
+            self._pinned.discard(self._production)
+        self._production = name
+        if name is not None:
+            self._pinned.add(name)
 
     def replicas_serving(self, name: str) -> list[str]:
         """The replicas `name` was placed and verified on (where sampling may go)."""
@@ -303,10 +319,12 @@ class VLLMPolicy:
             r.adapters[adapter.name] = str(adapter.path)
         serving = [r for r in self._replicas if adapter.name in r.adapters]
         if not serving:
-            state = "was retired" if adapter.name in self._retired else \
-                "is not loaded on any replica"
-            raise PolicyError(f"{adapter.name} {state}; call ensure_adapter first (sampling "
-                              "never loads an adapter by itself)")
+            if adapter.name in self._retired:
+                raise PolicyError(f"{adapter.name} was retired; call ensure_adapter first "
+                                  "(sampling never loads an adapter by itself)")
+            raise AdapterNotServed(f"{adapter.name} is not loaded on any replica; call "
+                                   "ensure_adapter first (sampling never loads an adapter by "
+                                   "itself)")
         return serving
 
     # -- sampling ------------------------------------------------------------------------------
@@ -364,8 +382,8 @@ class VLLMPolicy:
                 with attempt:
                     pool = [r for r in candidates if adapter is None or adapter.name in r.adapters]
                     if not pool:
-                        raise PolicyError(f"no replica serves {body['model']} any more; call "
-                                          "ensure_adapter again")
+                        raise AdapterNotServed(f"no replica serves {body['model']} any more; "
+                                               "call ensure_adapter again")
                     r = self._pick(pool, avoid=tried)
                     tried.add(r)
                     try:
@@ -375,7 +393,10 @@ class VLLMPolicy:
                             r.adapters.pop(adapter.name, None)
                             raise _AdapterGone(f"{r.url} lost {adapter.name}: {e.message}") from e
                         raise
-        except (httpx.TransportError, _AdapterGone) as e:
+        except _AdapterGone as e:
+            raise AdapterNotServed(f"sampling {body['model']} failed on every replica tried "
+                                   f"({len(tried)}): {e!r}") from e
+        except httpx.TransportError as e:
             raise PolicyError(f"sampling {body['model']} failed on every replica tried "
                               f"({len(tried)}): {e!r}") from e
         raise AssertionError("unreachable: tenacity re-raises the last error")
