@@ -90,6 +90,12 @@ class RolloutSettings(BaseModel):
     """Base URLs of every vLLM replica (each gets every adapter version)."""
     vllm_model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
     """Base model name as served by vLLM."""
+    chat_template: str = "auto"
+    """The policy's chat format (`flywheel.policy.chat_format`): `auto` = the model's own
+    template when it renders tools (its tokenizer must then carry a response template), else
+    the bundled `tool_chatml.v1`; `model`; a bundled name; or a `.jinja` path (parsed by the
+    `<stem>.response.json` beside it). vLLM must serve the same file: `flywheel policy
+    chat-template` prints it. The vLLM engine reads `model_dir`'s tokenizer to parse replies."""
     vllm_python: Path | None = None
     """Interpreter of the environment with vLLM, for servers Flywheel starts itself
     (`flywheel vllm serve`, `flywheel up` with engine `vllm` and no `vllm_urls`); unset =
@@ -220,8 +226,10 @@ class GateSettings(BaseModel):
     """Attempts per holdout task and side in one round: the gate looks at the outcome after
     every round (each round covers every task equally, which the sequential test needs).
     Smaller rounds stop sooner; larger ones batch better on a CPU engine."""
-    temperature: float = Field(default=0.7, gt=0)
-    """Sampling temperature of the evaluation."""
+    temperature: float = Field(default=0.7, ge=0)
+    """Sampling temperature of the evaluation; 0 = greedy decoding (every sample of a task is
+    the same: use `samples_per_task` 1 and `round_samples` 1), which is how an agent calling
+    production with `temperature: 0` is answered."""
     seed: int = 1234
     """Base of the per-task seeds (the same for every side and every evaluation)."""
     max_tasks: int | None = None

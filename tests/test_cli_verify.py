@@ -67,6 +67,18 @@ def test_tasks_and_verify_commands(db_url: str, tmp_path: Path,
     assert results[4]["failure_mode"] == "hallucinated_tool"
     assert results[5]["failure_mode"] == "invalid_format"
 
+    # The model's raw replies, parsed with the policy's chat format as rollouts parse them.
+    call = json.dumps({"name": expected["name"], "arguments": expected["arguments"]})
+    replies = [f"<tool_call>\n{call}\n</tool_call>", "Sure, done.",
+               '<tool_call>\n{"name": "get_w']
+    (tmp_path / "raw.jsonl").write_text("\n".join(json.dumps(o) for o in replies))
+    check = runner.invoke(app, ["verify", "check", "--task", str(tmp_path / "task.json"),
+                                "--outputs", str(tmp_path / "raw.jsonl"), "--raw", "--json"])
+    assert check.exit_code == 0, check.output
+    results = [json.loads(line) for line in check.stdout.splitlines()]
+    assert [(r["reward"], r["failure_mode"]) for r in results] == [
+        (1.0, None), (0.0, "invalid_format"), (0.0, "invalid_format")]
+
     # A task file in the new shape: two parallel calls, one argument with alternatives.
     two = {**spec, "verifier": {"kind": "tool_call", "unsafe_tools": [], "expected": [
         {"name": "get_weather", "arguments": {"city": "Oslo"},

@@ -116,3 +116,16 @@ def test_metrics_of_an_empty_run_do_not_divide_by_zero() -> None:
     assert m.samples == 0 and m.success_rate == 0.0 and m.not_run == 4
     d = decide(EvalRun(1, {}, []), EvalRun(None, {}, []), RULE)
     assert d.recommendation == "reject" and not d.checks[0].passed
+
+
+def test_a_run_under_another_chat_format_is_never_reused() -> None:
+    """The cache key names the chat format: runs sampled under an older template (or the
+    pre-chat-template prompt, whose keys had no format at all) are not this format's."""
+    from flywheel.config import Settings
+    from flywheel.gate.evaluate import Holdout, run_key
+
+    settings, holdout = Settings(), Holdout(eval_set_version=3, tasks=[])
+    key = run_key(settings, 2, holdout, "tool_chatml.v1@a6ce6ba229c5")
+    assert key == run_key(settings, 2, holdout, "tool_chatml.v1@a6ce6ba229c5")
+    assert key != run_key(settings, 2, holdout, "tool_chatml.v1@000000000000")
+    assert key != run_key(settings, 2, holdout, "model@a6ce6ba229c5")

@@ -12,6 +12,7 @@ is tested on hand-built runs in test_gate_decision.py.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from sqlalchemy import text
 
 from flywheel.adapters import lifecycle, registry
 from flywheel.adapters.local import AdapterStore
+from flywheel.api.chat_request import parse_request
+from flywheel.api.completions import complete
 from flywheel.api.serving import ServingSync
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
@@ -139,15 +142,16 @@ async def test_gate_promotes_waits_for_approval_rolls_back_and_replays(
         # Serving follows production: v2, then back to v1 after the rollback.
         serving = ServingSync(manual, engine, policy)
         assert await serving.sync_once()
-        request = {"model": "production", "max_tokens": 8,
-                   "messages": [{"role": "user", "content": "Say hi"}]}
-        assert (await serving.chat(request))["model"] == "policy@v2"
+        request = parse_request(json.dumps({
+            "model": "production", "max_tokens": 8,
+            "messages": [{"role": "user", "content": "Say hi"}]}).encode())
+        assert (await complete(serving, request))["model"] == "policy@v2"
         async with engine.begin() as conn:
             back = await lifecycle.rollback(conn, "policy", to=None, actor="bob",
                                             reason="regressed", topics=s.topics)
         assert back.payload.to_version == 1
         assert await serving.sync_once()
-        answer = await serving.chat(request)
+        answer = await complete(serving, request)
         assert answer["model"] == "policy@v1" and answer["usage"]["completion_tokens"] > 0
         async with engine.connect() as conn:
             state = (await conn.execute(text("SELECT version, replicas FROM serving_state")

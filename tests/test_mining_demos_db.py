@@ -119,9 +119,10 @@ async def test_demonstrations_never_come_from_holdout_tasks(db_url: str, pg_dsn:
     assert {str(s) for s in sources} - successes  # failures' corrections
     assert len({(d.fingerprint, d.completion) for d in demos}) == len(demos) > 20
     for d in demos:
-        call = json.loads(d.prefill + d.completion)
-        assert d.env == "tool_call" and call["tool"] in {"get_weather", "create_ticket",
-                                                         "send_email"}
+        assert d.env == "tool_call" and d.reply["tool_calls"]
+        for call in d.reply["tool_calls"]:
+            assert call["function"]["name"] in {"get_weather", "create_ticket", "send_email"}
+            assert isinstance(json.loads(call["function"]["arguments"]), dict)
     assert again == demos and first == demos[:5]
     # The miner's fraction also refuses what it would hold out once such a request fails.
     assert 0 < len(prospective) < len(demos)

@@ -26,9 +26,11 @@ pytestmark = pytest.mark.slow
 SHORT = [{"role": "user", "content": "Say hi"}]
 LONG = [{"role": "system", "content": "You are a terse poet."},
         {"role": "user", "content": "Write a long poem about the sea, the wind and the stars."}]
-TOOL = [{"role": "system", "content": 'You call tools. Answer with one JSON object like '
-                                      '{"tool": "search", "arguments": {"query": "..."}}.'},
+TOOL = [{"role": "system", "content": "You call tools."},
         {"role": "user", "content": "Find the weather in Paris."}]
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather for a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}}
 TOLERANCE = 1e-3
 
 
@@ -91,39 +93,32 @@ async def test_same_seed_same_completions_across_batches(
     assert torch.equal(torch.rand(1), expected_global)
 
 
-async def test_stop_at_json_end_keeps_exactly_the_object(policy: local.LocalPolicy) -> None:
-    prefill = '{"tool": "'
-    params = SamplingParams(n=4, max_tokens=48, temperature=0.7, seed=3, prefill=prefill,
-                            stop_at_json_end=True)
-    completions = await policy.sample(TOOL, params)
-
-    stopped = [c for c in completions if c.finish_reason == "stop"]
-    assert stopped, [c.text for c in completions]
-    for c in stopped:
-        full = prefill + c.text
-        assert local.json_object_end(full) == len(full)  # ends at the closing brace
-        # The kept tokens spell the text; the last one is where the object closes.
-        assert policy._decode(c.token_ids).startswith(c.text)
-        assert local.json_object_end(prefill + policy._decode(c.token_ids[:-1])) is None
-        assert len(c.logprobs) == len(c.token_ids) < 48
-        assert not c.text.startswith(prefill)
-        assert c.prompt_token_ids == policy.prompt_ids(TOOL, prefill)
+async def test_tools_are_rendered_by_the_chat_format_and_turns_end_on_eos(
+        policy: local.LocalPolicy) -> None:
+    params = SamplingParams(n=4, max_tokens=48, temperature=0.7, seed=3)
+    completions = await policy.sample(TOOL, params, tools=[WEATHER])
+    prompt = policy.chat_format.render(TOOL, [WEATHER])
+    assert "<tools>" in policy.tokenizer.decode(prompt)
+    eos = policy.tokenizer.eos_token_id
     for c in completions:
-        if c.finish_reason == "length":
-            assert len(c.token_ids) == 48
+        assert c.prompt_token_ids == prompt == policy.prompt_ids(TOOL, [WEATHER])
+        assert len(c.logprobs) == len(c.token_ids) <= 48
+        if c.finish_reason == "stop":  # no stop rule but the end-of-turn token
+            assert c.token_ids[-1] == eos and eos not in c.token_ids[:-1]
+        assert "<|im_end|>" not in c.text
+        assert policy.chat_format.parse(c.text)["role"] == "assistant"  # never raises
     assert await max_logprob_error(policy, completions, 0.7) < TOLERANCE
 
 
 async def test_stop_string_is_kept_and_ends_the_text(policy: local.LocalPolicy) -> None:
-    params = SamplingParams(n=3, max_tokens=24, temperature=0.7, seed=3, prefill='{"tool": "',
-                            stop=['",'])
-    completions = await policy.sample(TOOL, params)
+    params = SamplingParams(n=3, max_tokens=24, temperature=0.7, seed=3, stop=[","])
+    completions = await policy.sample(LONG, params)
 
     stopped = [c for c in completions if c.finish_reason == "stop"]
     assert stopped
     for c in stopped:
-        assert c.text.endswith('",') and c.text.count('",') == 1
-        assert '",' not in policy._decode(c.token_ids[:-1])
+        assert c.text.endswith(",") and c.text.count(",") == 1
+        assert "," not in policy._decode(c.token_ids[:-1])
 
 
 async def test_event_loop_stays_responsive_while_generating(
@@ -142,15 +137,6 @@ async def test_event_loop_stays_responsive_while_generating(
     elapsed = asyncio.get_running_loop().time() - started
     ticker.cancel()
     assert ticks >= 0.3 * elapsed / 0.01  # a blocked loop would barely tick
-
-
-def test_json_object_end_respects_strings_and_escapes() -> None:
-    assert local.json_object_end('{"a": "}"}') == 10
-    assert local.json_object_end('{"a": "\\"}"} tail') == 12
-    assert local.json_object_end('it"s {"a": {"b": "{"}}x') == 22  # prose quote: no string
-    assert local.json_object_end('{"a": {"b": 1}') is None
-    assert local.json_object_end('{"a": [1, "]"]} x') == 15
-    assert local.json_object_end("no object }") is None
 
 
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")

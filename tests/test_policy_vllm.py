@@ -5,17 +5,21 @@ and messages a real vLLM 0.32 server answers (tests/test_policy_vllm_server.py c
 against one): /v1/models (full cards, `root` = the path as sent), /v1/load_lora_adapter
 (plain-text success without a content type; 400 for a name already loaded, 404 for a path
 it cannot read, **500** for an adapter its worker refuses), /v1/unload_lora_adapter,
-/v1/chat/completions (logprob tokens as "token_id:N", `token_ids` per choice, the EOS token
-in the tokens but not the text), /tokenize and /detokenize (special tokens kept), and the
+/v1/chat/completions (top-level `prompt_token_ids`, logprob tokens as "token_id:N", `token_ids`
+per choice, the EOS token in the tokens but not the text, tools rendered into the prompt even
+under `tool_choice: "none"`), /tokenize and /detokenize (special tokens kept), and the
 `--max-cpu-loras` cache: an evicted adapter whose directory was deleted kills the engine
 (EngineDeadError: HTTP 500 for every request from then on). Its tokenizer is one token per
-character (id = ord(c), EOS = 2), so expected ids and cuts are easy to compute by hand.
+character (id = ord(c), EOS = 2), so expected ids and cuts are easy to compute by hand; a
+replica can instead render with a real chat format (`render`), as a vLLM started with
+`--chat-template` does.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,26 +27,37 @@ from typing import Any
 import httpx
 import pytest
 
-from flywheel.policy.base import AdapterRef, Policy, PolicyError, SamplingParams
+from flywheel.policy.base import (
+    AdapterNotServed,
+    AdapterRef,
+    Policy,
+    PolicyError,
+    SamplingParams,
+)
 from flywheel.policy.vllm import (
     AdapterLoadError,
     ReplicaUnavailable,
     VLLMError,
     VLLMPolicy,
+    api_messages,
     is_retryable,
-    json_object_end,
     served_versions,
 )
 
 MESSAGES = [{"role": "user", "content": "hi"}]
+EOS = 2
+"""The fake's end-of-turn token id (SmolLM2's `<|im_end|>`): in token_ids, never in content."""
 
 
 def _logprob(j: int) -> float:
     return -0.25 - j / 100
 
 
-def _render(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-    text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+def _render(messages: list[dict[str, Any]], add_generation_prompt: bool,
+            tools: list[dict[str, Any]] | None = None) -> str:
+    names = ",".join(t["function"]["name"] for t in tools or [])
+    text = (f"<tools>{names}</tools>" if names else "") + "".join(
+        f"<{m['role']}>{m['content'] or json.dumps(m.get('tool_calls'))}" for m in messages)
     return text + ("<assistant>" if add_generation_prompt else "")
 
 
@@ -104,6 +119,8 @@ class FakeReplica:
     chat_failures: list[int | str] = field(default_factory=list)
     """Queue of failures to answer chat requests with: an HTTP status or "connect"."""
     texts: list[str] = field(default_factory=lambda: ["abc"])
+    render: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], list[int]] | None = None
+    """The server's chat template (prompt ids from messages and tools); None = `_render`."""
     calls: Counter[str] = field(default_factory=Counter)
     bodies: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     _hidden: set[str] = field(default_factory=set)
@@ -143,8 +160,7 @@ class FakeReplica:
             return httpx.Response(200, content=f"Success: LoRA adapter '{name}' removed "
                                   "successfully.".encode())
         if path == "/tokenize":
-            ids = [ord(c) for c in _render(body["messages"],
-                                           body.get("add_generation_prompt", True))]
+            ids = self._prompt_ids(body)
             return _json(200, {"count": len(ids), "max_model_len": 4096, "tokens": ids,
                                "token_strs": None})
         if path == "/detokenize":  # special tokens are kept
@@ -213,22 +229,28 @@ class FakeReplica:
                     ids = [ord(c) for c in text]
             if len(ids) > body["max_tokens"]:
                 ids, finish = ids[:body["max_tokens"]], "length"
-                text = "".join(chr(t) for t in ids if t != EOS_ID)
+            text = "".join(chr(t) for t in ids if t != EOS_ID)
             content = [{"token": f"token_id:{t}", "logprob": _logprob(j),
                         "bytes": list((EOS_TEXT if t == EOS_ID else chr(t)).encode()),
                         "top_logprobs": []} for j, t in enumerate(ids)]
-            choices.append({"index": i, "message": {
-                "role": "assistant", "content": text, "refusal": None, "annotations": None,
-                "audio": None, "function_call": None, "reasoning": None},
-                "logprobs": {"content": content}, "finish_reason": finish,
-                "stop_reason": stop_reason, "token_ids": ids})
+            message = {"role": "assistant", "content": text, "refusal": None,
+                       "annotations": None, "audio": None, "function_call": None,
+                       "reasoning": None}  # tool_choice "none": no tool_calls key
+            choices.append({"index": i, "message": message, "logprobs": {"content": content},
+                            "finish_reason": finish, "stop_reason": stop_reason,
+                            "token_ids": ids})
         data: dict[str, Any] = {"id": "chatcmpl-1", "object": "chat.completion",
                                 "model": model, "choices": choices,
                                 "system_fingerprint": "vllm-0.32.0-fake"}
         if self.returns_prompt_ids:
-            data["prompt_token_ids"] = [ord(c) for c in _render(
-                body["messages"], body.get("add_generation_prompt", True))]
+            data["prompt_token_ids"] = self._prompt_ids(body)
         return _json(200, data)
+
+    def _prompt_ids(self, body: dict[str, Any]) -> list[int]:
+        if self.render is not None:
+            return self.render(body["messages"], body.get("tools"))
+        return [ord(c) for c in _render(body["messages"], body.get("add_generation_prompt", True),
+                                        body.get("tools"))]
 
 
 class FakeCluster:
@@ -256,7 +278,6 @@ def ref(version: int, path: str | None = None) -> AdapterRef:
 async def test_each_version_is_served_under_its_own_name_on_every_replica() -> None:
     cluster = FakeCluster(3)
     policy = cluster.policy()
-    assert isinstance(policy, Policy)
     await policy.ensure_adapter(ref(1))
     await policy.ensure_adapter(ref(2))
     for r in cluster.replicas:
@@ -327,6 +348,41 @@ async def test_retention_unloads_the_oldest_versions_but_never_pinned_ones() -> 
     await policy.ensure_adapter(ref(6))
     for r in cluster.replicas:
         assert sorted(r.loaded) == ["policy@v4", "policy@v5", "policy@v6"]
+
+
+async def test_production_pinned_from_the_database_survives_retention_in_another_process(
+        tmp_path: Path) -> None:
+    """Every service's engine shares the replicas: a rollout worker placing its newest
+    versions must not unload what the serving endpoint answers with."""
+    from flywheel.api.completions import sample_placed
+    from flywheel.api.serving import ServingSync, Target
+    from flywheel.config import Settings
+
+    cluster = FakeCluster(2)
+    serving_engine, worker = cluster.policy(retention=3), cluster.policy(retention=1)
+    serving_engine.pin_production("policy@v1")
+    await serving_engine.ensure_adapter(ref(1))
+    for version in (2, 3):  # a worker that never heard of production
+        await worker.ensure_adapter(ref(version))
+    assert all("policy@v1" not in r.loaded for r in cluster.replicas)
+    with pytest.raises(AdapterNotServed):
+        await serving_engine.sample(MESSAGES, SamplingParams(n=1), adapter=ref(1))
+
+    # The endpoint places it again and answers rather than failing the request.
+    settings = Settings(trainer={"adapters_dir": str(tmp_path)})  # type: ignore[arg-type]
+    serving = ServingSync(settings, engine=None, policy=serving_engine)  # type: ignore[arg-type]
+    out = await sample_placed(serving, Target(1, ref(1)), MESSAGES, SamplingParams(n=2), None)
+    assert [c.adapter for c in out] == ["policy@v1"] * 2
+    assert all("policy@v1" in r.loaded for r in cluster.replicas)
+
+    # A worker that pins production (AdapterResolver.protect_production) keeps it.
+    worker.pin_production("policy@v1")
+    for version in (4, 5):
+        await worker.ensure_adapter(ref(version))
+    assert all(sorted(r.loaded) == ["policy@v1", "policy@v5"] for r in cluster.replicas)
+    worker.pin_production("policy@v5")  # promoted: v1 is an ordinary old version again
+    await worker.ensure_adapter(ref(6))
+    assert all(sorted(r.loaded) == ["policy@v5", "policy@v6"] for r in cluster.replicas)
 
 
 async def test_rolling_back_to_an_old_version_does_not_unload_it_again() -> None:
@@ -513,30 +569,60 @@ async def test_a_replica_that_lost_the_adapter_is_dropped_and_another_serves() -
     assert cluster.replicas[0].calls["/v1/chat/completions"] <= 1
 
 
-async def test_prefill_continues_the_assistant_turn() -> None:
+WEATHER = {"type": "function", "name": "get_weather", "x-unsafe": False,
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+HISTORY = [{"role": "user", "content": "Weather in Oslo?"},
+           {"role": "assistant", "content": None, "tool_calls": [
+               {"id": "call_0_0", "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+           {"role": "tool", "tool_call_id": "call_0_0", "content": {"temp_c": 3}},
+           {"role": "assistant", "content": "x", "parse_error": "ours, not the API's"}]
+
+
+async def test_the_request_carries_the_tools_and_asks_for_the_raw_text() -> None:
     cluster = FakeCluster(1)
     policy = cluster.policy()
-    params = SamplingParams(n=1, prefill='{"tool": ', seed=7, stop=("\n",), max_tokens=9)
-    out = await policy.sample(MESSAGES, params)
+    params = SamplingParams(n=2, seed=7, stop=("\n",), max_tokens=9, temperature=0.7)
+    out = await policy.sample(HISTORY, params, tools=[WEATHER])
     body = next(b for p, b in cluster.replicas[0].bodies if p == "/v1/chat/completions")
-    assert body["messages"] == [*MESSAGES, {"role": "assistant", "content": '{"tool": '}]
-    assert body["continue_final_message"] is True
-    assert body["add_generation_prompt"] is False
-    assert (body["n"], body["seed"], body["stop"], body["max_tokens"]) == (1, 7, ["\n"], 9)
+    # OpenAI's shape: nested tools without Flywheel's keys; tools rendered, vLLM's own tool
+    # parser kept out (the reply is parsed by the policy's chat format).
+    assert body["tools"] == [{"type": "function", "function": {
+        "name": "get_weather", "parameters": WEATHER["parameters"]}}]
+    assert body["tool_choice"] == "none"
+    assert body["messages"] == api_messages(HISTORY)
+    assert body["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
+    assert body["messages"][2]["content"] == '{"temp_c": 3}'
+    assert "parse_error" not in body["messages"][3]
+    assert "continue_final_message" not in body and "add_generation_prompt" not in body
+    assert (body["n"], body["seed"], body["stop"], body["max_tokens"]) == (2, 7, ["\n"], 9)
+    assert body["temperature"] == 0.7 and body["top_p"] == 1.0
     assert body["logprobs"] is True and body["return_tokens_as_token_ids"] is True
     assert body["include_stop_str_in_output"] is True
-    assert out[0].text == "abc"  # the prefill is prompt, not completion
-    assert out[0].prompt_token_ids == [ord(c) for c in '<user>hi<assistant>{"tool": ']
+    assert out[0].text == "abc"
+    # The prompt ids are what vLLM rendered (with the tools), never re-tokenized here.
+    assert out[0].prompt_token_ids == [ord(c) for c in _render(
+        body["messages"], True, body["tools"])]
+    assert out[0].prompt_token_ids[:7] == [ord(c) for c in "<tools>"]
+
+
+async def test_without_tools_the_request_names_none() -> None:
+    cluster = FakeCluster(1)
+    await cluster.policy().sample(MESSAGES, SamplingParams(n=1), tools=[])
+    body = next(b for p, b in cluster.replicas[0].bodies if p == "/v1/chat/completions")
+    assert "tools" not in body and "tool_choice" not in body
 
 
 async def test_token_ids_logprobs_and_finish_reasons_are_parsed() -> None:
     cluster = FakeCluster(1)
-    cluster.replicas[0].texts = ["hello", "ab\ncd"]
+    cluster.replicas[0].texts = ["hello", "ab\ncd", "hi"]
     out = await cluster.policy().sample(MESSAGES, SamplingParams(n=3, max_tokens=4, stop=("\n",)))
-    assert [c.text for c in out] == ["hell", "ab\n", "hell"]
+    assert [c.text for c in out] == ["hell", "ab\n", "hi"]
     assert out[0].token_ids == [ord(c) for c in "hell"]
     assert out[0].logprobs == [_logprob(j) for j in range(4)]
-    assert [c.finish_reason for c in out] == ["length", "stop", "length"]
+    assert out[2].token_ids == [ord("h"), ord("i"), EOS]  # the trainer learns to stop
+    assert len(out[2].logprobs) == 3
+    assert [c.finish_reason for c in out] == ["length", "stop", "stop"]
     assert out[1].extra["stop_reason"] == "\n"
     assert out[0].prompt_token_ids == [ord(c) for c in "<user>hi<assistant>"]
 
@@ -544,32 +630,76 @@ async def test_token_ids_logprobs_and_finish_reasons_are_parsed() -> None:
 async def test_prompt_ids_come_from_tokenize_when_the_server_does_not_return_them() -> None:
     cluster = FakeCluster(1)
     cluster.replicas[0].returns_prompt_ids = False
-    out = await cluster.policy().sample(MESSAGES, SamplingParams(n=2))
+    out = await cluster.policy().sample(MESSAGES, SamplingParams(n=2), tools=[WEATHER])
     assert cluster.replicas[0].calls["/tokenize"] == 1
-    assert out[1].prompt_token_ids == [ord(c) for c in "<user>hi<assistant>"]
+    tokenize = next(b for p, b in cluster.replicas[0].bodies if p == "/tokenize")
+    assert tokenize["tools"][0]["function"]["name"] == "get_weather"
+    assert out[1].prompt_token_ids == [ord(c) for c in "<tools>get_weather</tools><user>hi"
+                                                        "<assistant>"]
 
 
-async def test_stop_at_json_end_cuts_text_tokens_and_logprobs() -> None:
+async def test_without_a_chat_format_there_is_nothing_to_parse_with() -> None:
+    policy = FakeCluster(1).policy()
+    with pytest.raises(PolicyError, match="no chat format"):
+        _ = policy.chat_format
+    assert not isinstance(policy, Policy)
+
+
+@pytest.fixture(scope="module")
+def fmt() -> Any:
+    from flywheel.policy.chat_format import load_chat_format
+    from flywheel.policy.model_cache import resolve_model_dir
+
+    pytest.importorskip("transformers")
+    return load_chat_format(resolve_model_dir(None))
+
+
+async def test_a_replica_rendering_like_the_policy_is_checked_once_and_parsed_alike(
+        fmt: Any) -> None:
+    """A replica started with the policy's --chat-template renders exactly `render`: its
+    prompt ids pass the check (once), and its text parses like the local engine's."""
+    cluster = FakeCluster(2)
+    loads: list[int] = []
+
+    def load() -> Any:
+        loads.append(1)
+        return fmt
+
+    for r in cluster.replicas:
+        r.render = fmt.render
+        r.texts = ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+                   "</tool_call>"]
+    policy = cluster.policy(chat_format=load)
+    for _ in range(3):
+        (c,) = await policy.sample(HISTORY[:1], SamplingParams(n=1, max_tokens=128),
+                                   tools=[WEATHER])
+        assert c.prompt_token_ids == fmt.render(HISTORY[:1], [WEATHER])
+        assert policy.chat_format.parse(c.text)["tool_calls"][0]["function"] == {
+            "name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    await policy.sample(HISTORY, SamplingParams(n=1), tools=[WEATHER])
+    assert loads == [1]  # the tokenizer is loaded once, lazily
+    assert len(policy._rendering_checked) == 2  # every replica, once each
+
+
+def test_with_a_chat_format_it_is_a_policy(fmt: Any) -> None:
+    assert isinstance(FakeCluster(1).policy(chat_format=fmt), Policy)
+
+
+async def test_a_replica_started_without_the_policys_template_is_refused(fmt: Any) -> None:
+    """vLLM without --chat-template renders SmolLM2's stock template, which drops the tools:
+    training on those prompts would teach another format than SFT and serving use."""
     cluster = FakeCluster(1)
-    cluster.replicas[0].texts = ['"a}{b\\"", "x": {"y": [1]}} and then chatter', '"s"}']
-    params = SamplingParams(n=2, max_tokens=64, prefill='{"tool": ', stop_at_json_end=True)
-    cut, whole = await cluster.policy().sample(MESSAGES, params)
-    expected = '"a}{b\\"", "x": {"y": [1]}}'
-    assert cut.text == expected
-    assert cut.token_ids == [ord(c) for c in expected]
-    assert cut.logprobs == [_logprob(j) for j in range(len(expected))]
-    assert cut.finish_reason == "stop"
-    assert cut.extra["cut_at_json_end"] == len(" and then chatter") + 1  # and the EOS
-    assert whole.text == '"s"}' and "cut_at_json_end" not in whole.extra
+    stock = fmt.tokenizer.chat_template
 
+    def stock_render(messages: list[dict[str, Any]], tools: Any) -> list[int]:
+        text = fmt.tokenizer.apply_chat_template(messages, tools=tools, chat_template=stock,
+                                                 add_generation_prompt=True, tokenize=False)
+        return fmt.encode(text)
 
-def test_json_object_end() -> None:
-    assert json_object_end('{"a": 1} tail') == 8
-    assert json_object_end('x {"a": "}"} y') == 12
-    assert json_object_end('{"a": [{"b": 2}]}') == 17
-    assert json_object_end('{"a": "\\"}"}!') == 12
-    assert json_object_end('{"a": 1') is None
-    assert json_object_end("no json") is None
+    cluster.replicas[0].render = stock_render
+    policy = cluster.policy(chat_format=fmt)
+    with pytest.raises(PolicyError, match=r"--chat-template .*tool_chatml\.v1\.jinja"):
+        await policy.sample(MESSAGES, SamplingParams(n=1), tools=[WEATHER])
 
 
 def test_retry_classifier() -> None:
@@ -582,3 +712,20 @@ def test_retry_classifier() -> None:
     assert is_retryable(httpx.ReadTimeout("slow", request=request))
     assert not is_retryable(PolicyError("bad input"))
     assert not is_retryable(ValueError("bug"))
+
+
+async def test_a_models_own_template_rendered_otherwise_is_only_warned_about(
+        fmt: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """With the model's own template (no file of ours), vLLM's own serialisation of tool
+    dicts may differ from ours; rollouts keep vLLM's ids, so that is a warning, not a stop."""
+    from flywheel.policy.chat_format import ChatFormat
+
+    own = ChatFormat(fmt.tokenizer, name="model", chat_template=fmt.template,
+                     response_template=fmt.response_template)
+    assert own.path is None
+    cluster = FakeCluster(1)  # renders with `_render`: not what `own` renders
+    with caplog.at_level("WARNING", logger="flywheel.policy.vllm"):
+        (c,) = await cluster.policy(chat_format=own).sample(MESSAGES, SamplingParams(n=1),
+                                                            tools=[WEATHER])
+    assert c.prompt_token_ids[:7] == [ord(ch) for ch in "<tools>"]
+    assert "renders prompts differently" in caplog.text

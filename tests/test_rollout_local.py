@@ -44,13 +44,17 @@ async def _check_logprobs(policy: LocalPolicy, rollouts: list[ScoredRollout],
     return checked
 
 
-async def test_tool_call_group_on_the_real_model(policy: LocalPolicy) -> None:
-    task = TaskSpec(task_id=uuid.uuid4(), env="tool_call", tools=TOOLS,
+def _weather_task() -> TaskSpec:
+    return TaskSpec(task_id=uuid.uuid4(), env="tool_call", tools=TOOLS,
                     messages=[{"role": "user", "content": "What's the weather in Oslo?"}],
                     verifier=ToolCallSpec(expected=ExpectedCall(
                         name="get_weather", arguments={"city": "Oslo", "unit": "c"})),
                     failure_mode="bad_arguments", fingerprint="x", split="train")
-    cfg = GroupConfig(group_size=4, max_tokens=32, temperature=1.0, rollout_timeout_s=120)
+
+
+async def test_tool_call_group_on_the_real_model(policy: LocalPolicy) -> None:
+    task = _weather_task()
+    cfg = GroupConfig(group_size=4, max_tokens=32, temperature=1.0, rollout_timeout_s=900)
     out = await run_group(policy, task, load_environment("tool_call"), cfg, adapter=None,
                           seed=7, group_key="g1")
     assert len(out.rollouts) == 4 and len(out.scored) == 4  # every attempt ran and was scored
@@ -58,21 +62,68 @@ async def test_tool_call_group_on_the_real_model(policy: LocalPolicy) -> None:
     assert await _check_logprobs(policy, out.rollouts, cfg.temperature) == 4
 
 
+async def test_one_renderer_for_rollouts_sft_and_serving(policy: LocalPolicy) -> None:
+    """The ids a rollout sampled after are `render(task.messages, task.tools)`, and an SFT
+    demonstration of the same task trains its reply after exactly those ids."""
+    from flywheel.mining.demos import demonstration_from_task
+    from flywheel.trainer.sft import IGNORE, encode_demonstration
+
+    task = _weather_task()
+    fmt = policy.chat_format
+    cfg = GroupConfig(group_size=2, max_tokens=8, temperature=1.0, rollout_timeout_s=900)
+    out = await run_group(policy, task, load_environment("tool_call"), cfg, adapter=None,
+                          seed=3, group_key="g3")
+    rendered = fmt.render(task.messages, task.tools)
+    assert [t.prompt_token_ids for r in out.rollouts for t in r.turns] == [rendered] * 2
+    demo = demonstration_from_task(task, task.task_id)
+    assert demo is not None
+    example = encode_demonstration(fmt, demo)
+    prompt_len = next(i for i, label in enumerate(example.labels) if label != IGNORE)
+    assert example.input_ids[:prompt_len] == rendered
+    assert fmt.parse(fmt.tokenizer.decode(example.input_ids[prompt_len:]))["tool_calls"] == [
+        {"id": "call_0", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}]
+
+
 async def test_multi_step_workplace_group_on_the_real_model(policy: LocalPolicy) -> None:
+    """A short workplace episode through the chat format on the real engine. The context
+    shows one earlier call and its result (what mined workplace tasks carry), so the untuned
+    model sometimes calls a tool; whatever it does, each turn's prompt is the format's
+    rendering of the conversation so far, and results come back as tool responses."""
     initial = {"calendar": {"events": []}, "email": {"inbox": [], "outbox": []},
                "tickets": {"items": [{"id": "tkt-1", "title": "Printer jammed", "priority": 3,
                                       "status": "open", "assignee": None}]}, "next_id": 2}
     expected = {**initial, "tickets": {"items": [{**initial["tickets"]["items"][0],
                                                    "status": "closed"}]}}
+    history = [
+        {"role": "user", "content": "Which tickets are open?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c0", "type": "function", "function": {"name": "ticket_list",
+                                                          "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c0", "content": '[{"id": "tkt-1", "status": "open"}]'},
+        {"role": "assistant", "content": "Ticket tkt-1 is open."},
+        {"role": "user", "content": "Close ticket tkt-1, it is fixed."}]
     task = TaskSpec(task_id=uuid.uuid4(), env="workplace", tools=WORKPLACE_TOOLS,
-                    messages=[{"role": "user", "content": "Close ticket tkt-1, it is fixed."}],
+                    messages=history,
                     verifier=WorkplaceSpec(initial_state=initial, expected_state=expected,
                                            max_steps=3),
                     failure_mode="wrong_tool", fingerprint="y", split="train")
-    cfg = GroupConfig(group_size=2, max_tokens=40, temperature=0.9, max_steps=3,
-                      rollout_timeout_s=240)
+    cfg = GroupConfig(group_size=4, max_tokens=40, temperature=0.7, max_steps=3,
+                      rollout_timeout_s=1800)
     out = await run_group(policy, task, load_environment("workplace"), cfg, adapter=None,
                           seed=3, group_key="g2")
-    assert len(out.scored) == 2
+    assert len(out.scored) == 4
     assert all(1 <= len(r.turns) <= 3 for r in out.rollouts)
-    assert await _check_logprobs(policy, out.rollouts, cfg.temperature) >= 2
+    fmt = policy.chat_format
+    for r in out.rollouts:
+        assert r.turns[0].prompt_token_ids == fmt.render(task.messages, task.tools)
+        for before, after in zip(r.turns, r.turns[1:], strict=False):
+            # The reply (as the template renders its parsed calls) and the tool results
+            # were appended; nothing before them changed.
+            assert after.prompt_token_ids[:len(before.prompt_token_ids)] == \
+                before.prompt_token_ids
+            assert "<tool_response>" in fmt.tokenizer.decode(
+                after.prompt_token_ids[len(before.prompt_token_ids):])
+        last = fmt.parse(r.turns[-1].text)
+        assert len(r.turns) == cfg.max_steps or not last["tool_calls"]
+    assert await _check_logprobs(policy, out.rollouts, cfg.temperature) >= 4

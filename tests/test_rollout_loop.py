@@ -1,7 +1,8 @@
 """The agent loop with a scripted policy: stragglers, typed not-run, multi-step, variance.
 
-The scripted policy is a test double for the loop's logic only; the real engine is exercised
-in tests/test_rollout_local.py.
+The scripted policy is a test double for the loop's logic only, with the real chat format
+(the SmolLM2 tokenizer and the bundled template) so replies are the text a model would
+write; the real engine is exercised in tests/test_rollout_local.py.
 """
 
 from __future__ import annotations
@@ -10,34 +11,55 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import pytest
 
 from flywheel.environments import load_environment
 from flywheel.environments.workplace import WORKPLACE_TOOLS
 from flywheel.policy.base import AdapterRef, Completion, SamplingParams
+from flywheel.policy.chat_format import ChatFormat, load_chat_format
+from flywheel.policy.model_cache import resolve_model_dir
 from flywheel.rollout.loop import GroupConfig, run_group, summarize
-from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec, WorkplaceSpec
+from flywheel.tasks import CodeSpec, ExpectedCall, TaskSpec, ToolCallSpec, WorkplaceSpec
 
 WEATHER = {"type": "function", "name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 
 
+@pytest.fixture(scope="module")
+def fmt() -> ChatFormat:
+    return load_chat_format(resolve_model_dir(None))
+
+
+def tool_call(name: str, **arguments: Any) -> str:
+    """A call as the bundled template writes it (what a trained model emits)."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
 class Scripted:
-    """Answers from a script: reply(messages, index) → text after the prefill, or a hang."""
+    """Answers from a script: reply(messages, seed, index) → the reply's text, or a hang.
 
-    def __init__(self, reply: Any) -> None:
-        self.reply = reply
+    Like the real engines it renders the prompt with the chat format (its ids are the
+    prompt's) and records what it was sent."""
+
+    def __init__(self, reply: Any, fmt: ChatFormat) -> None:
+        self.reply, self.chat_format = reply, fmt
         self.calls = 0
+        self.sent: list[tuple[list[dict[str, Any]], Any]] = []
 
-    async def sample(self, messages: Sequence[dict[str, Any]], params: SamplingParams, *,
+    async def sample(self, messages: Sequence[Mapping[str, Any]], params: SamplingParams, *,
+                     tools: Sequence[Mapping[str, Any]] | None = None,
                      adapter: AdapterRef | None = None) -> list[Completion]:
+        self.sent.append(([dict(m) for m in messages], tools))
+        prompt = self.chat_format.render(messages, tools)
         out = []
         for i in range(params.n):
             self.calls += 1
             text = await self.reply(list(messages), params.seed, i)
             out.append(Completion(text=text, token_ids=[1, 2], logprobs=[-0.1, -0.2],
-                                  prompt_token_ids=[0], finish_reason="stop",
+                                  prompt_token_ids=prompt, finish_reason="stop",
                                   adapter=adapter.name if adapter else None, latency_ms=1.0))
         return out
 
@@ -46,6 +68,16 @@ class Scripted:
     async def retire_adapter(self, adapter: AdapterRef) -> None: ...
 
     async def close(self) -> None: ...
+
+
+class Lockstep(Scripted):
+    """The same script behind `sample_many` (the local engine's batched episodes)."""
+
+    async def sample_many(self, prompts: Sequence[Sequence[Mapping[str, Any]]],
+                          params: SamplingParams, *,
+                          tools: Sequence[Mapping[str, Any]] | None = None,
+                          adapter: AdapterRef | None = None) -> list[list[Completion]]:
+        return [await self.sample(m, params, tools=tools, adapter=adapter) for m in prompts]
 
 
 def _tool_task() -> TaskSpec:
@@ -67,34 +99,70 @@ def _workplace_task() -> TaskSpec:
                     failure_mode="wrong_tool", fingerprint="w", split="train")
 
 
-async def test_single_step_group_scores_each_completion() -> None:
+async def test_single_step_group_scores_each_parsed_reply(fmt: ChatFormat) -> None:
     async def reply(_m: list[dict[str, Any]], _seed: int | None, i: int) -> str:
-        city = "Oslo" if i % 2 == 0 else "Bergen"
-        return f'get_weather", "arguments": {{"city": "{city}"}}}}'  # after the prefill
+        return [tool_call("get_weather", city="Oslo"), tool_call("get_weather", city="Bergen"),
+                "It is sunny in Oslo.", '<tool_call>\n{"name": "get_weather", "argu'][i]
 
+    policy = Scripted(reply, fmt)
+    task = _tool_task()
     cfg = GroupConfig(group_size=4, rollout_timeout_s=5)
-    out = await run_group(Scripted(reply), _tool_task(), load_environment("tool_call"), cfg,
+    out = await run_group(policy, task, load_environment("tool_call"), cfg,
                           adapter=None, seed=1, group_key="g")
-    assert [r.reward == 1.0 for r in out.rollouts] == [True, False, True, False]
-    assert out.trainable and out.success_rate == 0.5
+    assert [r.reward for r in out.rollouts] == [1.0, 0.4, 0.0, 0.0]
+    assert [r.failure_mode for r in out.rollouts] == [
+        None, "bad_arguments", "invalid_format", "invalid_format"]
+    assert out.trainable and out.success_rate == 0.25
     assert out.rollouts[0].turns[0].token_ids == [1, 2]
+    # The task's own messages and tools, no prefill: what serving renders.
+    assert policy.sent == [(task.messages, task.tools)]
+    assert out.rollouts[0].turns[0].prompt_token_ids == fmt.render(task.messages, task.tools)
 
 
-async def test_straggler_does_not_hold_the_group_and_is_not_scored_zero() -> None:
+async def test_code_tasks_get_an_instruction_and_are_scored_on_the_text(fmt: ChatFormat
+                                                                        ) -> None:
+    async def reply(_m: list[dict[str, Any]], _seed: int | None, i: int) -> str:
+        body = "return a + b" if i == 0 else "return a - b"
+        return f"Here it is:\n```python\ndef add(a, b):\n    {body}\n```"
+
+    task = TaskSpec(task_id=uuid.uuid4(), env="code", tools=[],
+                    messages=[{"role": "user", "content": "Add two numbers."}],
+                    verifier=CodeSpec(tests="assert add(1, 2) == 3", entrypoint="add"),
+                    failure_mode="other", fingerprint="c", split="train")
+    policy = Scripted(reply, fmt)
+    out = await run_group(policy, task, load_environment("code"),
+                          GroupConfig(group_size=2, rollout_timeout_s=30), adapter=None,
+                          seed=1, group_key="c")
+    assert [r.reward for r in out.rollouts] == [1.0, 0.0]
+    (messages, tools), = policy.sent
+    assert tools is None and messages[0]["role"] == "system" and "`add`" in messages[0]["content"]
+
+
+def _email(messages: list[dict[str, Any]]) -> str:
+    """Send the email, then answer in plain text once the tool result is back."""
+    if any(m["role"] == "tool" for m in messages):
+        return "Sent the email to Ana."
+    return tool_call("email_send", to="ana@example.com", subject="Hi")
+
+
+@pytest.mark.parametrize("engine", [Scripted, Lockstep])
+async def test_straggler_does_not_hold_the_group_and_is_not_scored_zero(
+        fmt: ChatFormat, engine: type[Scripted]) -> None:
     async def reply(messages: list[dict[str, Any]], seed: int | None, _i: int) -> str:
-        episode = (seed or 0) // 1000 % 1000
-        if episode == 2:
+        if engine is Scripted and (seed or 0) // 1000 % 1000 == 2:
             await asyncio.sleep(3600)  # this rollout hangs
-        if any(m["role"] == "user" and m["content"].startswith("Result:") for m in messages):
-            return 'final": "sent"}'
-        return ('tool": "email_send", "arguments": {"to": "ana@example.com", '
-                '"subject": "Hi"}}')
+        if engine is Lockstep and len(messages) > 1:
+            await asyncio.sleep(3600)  # the whole batch hangs in its second turn
+        return _email(messages)
 
     cfg = GroupConfig(group_size=4, rollout_timeout_s=0.5, max_steps=4)
     started = time.perf_counter()
-    out = await run_group(Scripted(reply), _workplace_task(), load_environment("workplace"),
+    out = await run_group(engine(reply, fmt), _workplace_task(), load_environment("workplace"),
                           cfg, adapter=None, seed=0, group_key="g")
     assert time.perf_counter() - started < 3
+    if engine is Lockstep:
+        assert all(r.reward is None and r.not_run == "timeout" for r in out.rollouts)
+        return
     straggler = out.rollouts[2]
     assert straggler.reward is None and straggler.not_run == "timeout"
     assert [r.reward for r in out.rollouts if r.index != 2] == [1.0, 1.0, 1.0]
@@ -102,20 +170,52 @@ async def test_straggler_does_not_hold_the_group_and_is_not_scored_zero() -> Non
     assert not out.trainable  # all scored attempts succeeded: zero variance
 
 
-async def test_multi_step_invalid_output_gets_feedback_and_can_recover() -> None:
+@pytest.mark.parametrize("engine", [Scripted, Lockstep])
+async def test_multi_step_tool_calls_run_and_results_come_back_as_tool_messages(
+        fmt: ChatFormat, engine: type[Scripted]) -> None:
+    """Turn 1 calls two tools in parallel (one of them fails in the world), turn 2 sees both
+    results as `tool` messages with the calls' ids and fixes it, turn 3 answers in text:
+    the episode ends there. Every turn's prompt ids are the format's rendering of the
+    conversation so far."""
     async def reply(messages: list[dict[str, Any]], _seed: int | None, _i: int) -> str:
-        results = [m["content"] for m in messages if m["content"].startswith("Result:")]
+        results = [m for m in messages if m["role"] == "tool"]
         if not results:
-            return "oops not json"
-        if results[-1].startswith("Result: error:"):
-            return 'tool": "email_send", "arguments": {"to": "ana@example.com", "subject": "Hi"}}'
-        return 'final": "done"}'
+            return (tool_call("email_send", to="ana@example.com", subject="Hi") + "\n"
+                    + tool_call("ticket_close", ticket_id="tkt-404"))
+        if len(results) == 2:
+            assert [m["tool_call_id"] for m in results] == ["call_0_0", "call_0_1"]
+            assert results[1]["content"].startswith("error:")
+            return "The ticket does not exist. " + tool_call("ticket_list")
+        return "Done: Ana has the email."
 
-    cfg = GroupConfig(group_size=2, rollout_timeout_s=5, max_steps=5)
-    out = await run_group(Scripted(reply), _workplace_task(), load_environment("workplace"),
-                          cfg, adapter=None, seed=0, group_key="g")
+    policy = engine(reply, fmt)
+    task = _workplace_task()
+    out = await run_group(policy, task, load_environment("workplace"),
+                          GroupConfig(group_size=2, rollout_timeout_s=5, max_steps=6),
+                          adapter=None, seed=0, group_key="g")
     assert [r.reward for r in out.rollouts] == [1.0, 1.0]
-    assert len(out.rollouts[0].turns) == 3
+    turns = out.rollouts[0].turns
+    assert len(turns) == 3
+    final = max((m for m, _ in policy.sent), key=len)
+    assert [m["role"] for m in final] == ["user", "assistant", "tool", "tool", "assistant",
+                                          "tool"]
+    assert final[1]["tool_calls"][0]["function"] == {
+        "name": "email_send", "arguments": '{"to": "ana@example.com", "subject": "Hi"}'}
+    assert final[4]["content"] == "The ticket does not exist."
+    assert [t.prompt_token_ids for t in turns] == [
+        fmt.render(final[:n], task.tools) for n in (1, 4, 6)]
+
+
+async def test_an_unparsable_reply_ends_the_episode(fmt: ChatFormat) -> None:
+    async def reply(messages: list[dict[str, Any]], _seed: int | None, _i: int) -> str:
+        return '<tool_call>\n{"name": "email_send", "arguments": {"to": ana}}\n</tool_call>'
+
+    out = await run_group(Scripted(reply, fmt), _workplace_task(),
+                          load_environment("workplace"),
+                          GroupConfig(group_size=2, rollout_timeout_s=5, max_steps=5),
+                          adapter=None, seed=0, group_key="g")
+    assert [len(r.turns) for r in out.rollouts] == [1, 1]
+    assert [r.failure_mode for r in out.rollouts] == ["incomplete", "incomplete"]
 
 
 def test_summary_excludes_not_run_from_statistics() -> None:

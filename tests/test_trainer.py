@@ -21,9 +21,8 @@ from flywheel.config import Settings, settings_env
 from flywheel.db.engine import make_engine
 from flywheel.demo.samples import TOOLS
 from flywheel.environments import load_environment
-from flywheel.environments.prompt import TOOL_PREFILL
 from flywheel.events import GroupScored, GroupScoredPayload
-from flywheel.mining.demos import Demonstration
+from flywheel.mining.demos import Demonstration, assistant_reply
 from flywheel.mining.store import store_task
 from flywheel.policy.local import LocalPolicy
 from flywheel.policy.model_cache import resolve_model_dir
@@ -36,9 +35,26 @@ pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.postgres]
 GROUPS = 6
 
 
+def _shots() -> list[dict[str, object]]:
+    """Three earlier requests answered with a call (what a mined task's context often holds):
+    with them the untuned model writes `<tool_call>` blocks, right or wrong, so its groups
+    have reward variance (without, it answers in prose: every reward 0)."""
+    out: list[dict[str, object]] = []
+    for n, (city, temp) in enumerate([("Rome", 18), ("Cairo", 31), ("Berlin", 9)]):
+        out += [{"role": "user", "content": f"What's the weather in {city}?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": f"c{n}", "type": "function", "function": {
+                        "name": "get_weather",
+                        "arguments": json.dumps({"city": city, "unit": "c"})}}]},
+                {"role": "tool", "tool_call_id": f"c{n}", "content": json.dumps({"temp_c": temp})},
+                {"role": "assistant", "content": f"It is {temp} °C in {city}."}]
+    return out
+
+
 def _task(city: str) -> TaskSpec:
     return TaskSpec(task_id=uuid.uuid4(), env="tool_call", tools=TOOLS,
-                    messages=[{"role": "user", "content": f"What's the weather in {city}?"}],
+                    messages=[*_shots(),
+                              {"role": "user", "content": f"What's the weather in {city}?"}],
                     verifier=ToolCallSpec(expected=ExpectedCall(
                         name="get_weather", arguments={"city": city, "unit": "c"})),
                     failure_mode="bad_arguments", fingerprint=f"fp-{city}-{uuid.uuid4()}",
@@ -51,7 +67,7 @@ def groups() -> list[tuple[TaskSpec, GroupScoredPayload]]:
     async def sample() -> list[tuple[TaskSpec, GroupScoredPayload]]:
         policy = LocalPolicy(resolve_model_dir(None))
         out: list[tuple[TaskSpec, GroupScoredPayload]] = []
-        cfg = GroupConfig(group_size=4, max_tokens=16, temperature=1.0)
+        cfg = GroupConfig(group_size=4, max_tokens=48, temperature=1.0)  # a call: ~40
         cities = ["Oslo", "Lima", "Pune", "Quito", "Paris", "Lagos", "Osaka", "Austin"] * 3
         for seed, city in enumerate(cities):
             task = _task(city)
@@ -108,9 +124,9 @@ def torchrun(args: list[str], env: dict[str, str], log: Path) -> subprocess.Pope
 
 def _demos() -> list[Demonstration]:
     return [Demonstration(
-        messages=[{"role": "user", "content": f"What's the weather in {city}?"}],
-        prefill=TOOL_PREFILL, completion=f'get_weather", "arguments": {{"city": "{city}", '
-        '"unit": "c"}}', source_trajectory_id=uuid.uuid4(), fingerprint=city, env="tool_call")
+        messages=[{"role": "user", "content": f"What's the weather in {city}?"}], tools=TOOLS,
+        reply=assistant_reply([("get_weather", {"city": city, "unit": "c"})]),
+        source_trajectory_id=uuid.uuid4(), fingerprint=city, env="tool_call")
         for city in ["Oslo", "Lima", "Pune", "Quito"]]
 
 

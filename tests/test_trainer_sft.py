@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from flywheel.demo.samples import TOOLS
-from flywheel.environments.prompt import TOOL_PREFILL, build_prompt
+from flywheel.environments.prompt import task_messages, task_tools
 from flywheel.mining.build import build_task, request_key, split_of
 from flywheel.mining.classify import classify_failure
 from flywheel.mining.demos import (
     Candidate,
     Demonstration,
     HeldOut,
+    assistant_reply,
     demonstration_from_task,
     select,
     success_demonstration,
@@ -33,7 +34,6 @@ from flywheel.trainer.sft import (
     collate,
     completion_loss,
     encode_demonstration,
-    end_of_turn_ids,
     sft_step,
 )
 
@@ -79,12 +79,13 @@ def test_a_success_teaches_its_first_call_as_the_rollout_prompts_it() -> None:
     task = success_task(t)
     assert demo is not None
     assert task is not None
-    prompt = build_prompt(task)
-    assert demo.messages == prompt.messages and demo.prefill == prompt.prefill == TOOL_PREFILL
-    assert SYSTEM in demo.messages[0]["content"] and "get_weather" in demo.messages[0]["content"]
+    # The task's own messages and tools: the rollout prompt of the same task.
+    assert demo.messages == task_messages(task) and demo.tools == task_tools(task)
+    assert demo.messages[0] == {"role": "system", "content": SYSTEM}
     assert demo.messages[-1] == {"role": "user", "content": "What's the weather in Paris?"}
-    assert json.loads(demo.prefill + demo.completion) == {"tool": "get_weather",
-                                                          "arguments": WEATHER}
+    assert demo.reply == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_0", "type": "function",
+         "function": {"name": "get_weather", "arguments": json.dumps(WEATHER)}}]}
     assert demo.source_trajectory_id == t.trajectory_id and demo.env == "tool_call"
 
 
@@ -119,7 +120,20 @@ def test_a_failure_teaches_only_its_correction() -> None:
         assert isinstance(task, TaskSpec)
         demo = demonstration_from_task(task, uuid.uuid4())
         assert demo is not None
-        assert json.loads(demo.prefill + demo.completion)["tool"] == "get_weather"
+        assert [c["function"]["name"] for c in demo.reply["tool_calls"]] == ["get_weather"]
+
+
+def test_a_correction_with_several_calls_demonstrates_all_of_them() -> None:
+    """The chat format's `tool_calls` hold a multi-call correction (parallel calls)."""
+    both = [("get_weather", WEATHER), ("get_weather", {"city": "Oslo", "unit": "c"})]
+    failed = record("Weather in Paris and in Oslo?", [("get_weather", WEATHER, "ok")],
+                    status="failure", outcome={"human_intervention": {"corrected_items": [
+                        {"type": "function_call", "call_id": f"fix{n}", "name": name,
+                         "arguments": json.dumps(args)} for n, (name, args) in enumerate(both)]}})
+    task = build_task(failed, classify_failure(failed, None))
+    assert isinstance(task, TaskSpec) and len(task.verifier.expected) == 2  # type: ignore[union-attr]
+    demo = demonstration_from_task(task, failed.trajectory_id)
+    assert demo is not None and demo.reply == assistant_reply(both)
 
 
 @pytest.mark.parametrize("case", ["first_call_errored", "hallucinated", "unsafe",
@@ -141,10 +155,10 @@ def test_successes_that_demonstrate_nothing_usable(case: str) -> None:
     assert success_demonstration(t) is None
 
 
-def _demo(fp: str, completion: str = 'x"}') -> Demonstration:
-    return Demonstration(messages=[{"role": "user", "content": fp}], prefill=TOOL_PREFILL,
-                         completion=completion, source_trajectory_id=uuid.uuid4(),
-                         fingerprint=fp, env="tool_call")
+def _demo(fp: str, city: str = "x") -> Demonstration:
+    return Demonstration(messages=[{"role": "user", "content": fp}], tools=TOOLS,
+                         reply=assistant_reply([("get_weather", {"city": city})]),
+                         source_trajectory_id=uuid.uuid4(), fingerprint=fp, env="tool_call")
 
 
 def test_select_dedupes_orders_and_refuses_everything_holdout_owns() -> None:
@@ -153,7 +167,7 @@ def test_select_dedupes_orders_and_refuses_everything_holdout_owns() -> None:
     cands = [Candidate(_demo("0b"), (uuid.uuid4(),), ()),
              Candidate(_demo("0a"), (uuid.uuid4(),), ()),
              Candidate(_demo("0a"), (uuid.uuid4(),), ()),          # duplicate of the above
-             Candidate(_demo("0a", 'y"}'), (uuid.uuid4(),), ()),   # same task, other call
+             Candidate(_demo("0a", "y"), (uuid.uuid4(),), ()),     # same task, other call
              Candidate(_demo("0e"), (uuid.uuid4(),), ()),          # a holdout fingerprint
              Candidate(_demo("0c"), (uuid.uuid4(), src), ()),      # a holdout source
              Candidate(_demo("0d"), (uuid.uuid4(),), (req,)),     # a holdout request
@@ -161,7 +175,8 @@ def test_select_dedupes_orders_and_refuses_everything_holdout_owns() -> None:
     held = HeldOut(frozenset({"0e"}), frozenset({src}), frozenset({req}))
     picked = select(cands, held)
     assert [(d.fingerprint, d.completion) for d in picked] == [
-        ("0a", 'x"}'), ("0a", 'y"}'), ("0b", 'x"}'), (train_fp, 'x"}')]
+        ("0a", _demo("", "x").completion), ("0a", _demo("", "y").completion),
+        ("0b", _demo("", "x").completion), (train_fp, _demo("", "x").completion)]
     assert picked[0].source_trajectory_id == cands[1].demo.source_trajectory_id  # first kept
     assert select(cands, held, limit=2) == picked[:2]
     # With the miner's fraction, fingerprints it would hold out later are refused too.
@@ -188,23 +203,31 @@ def tokenizer() -> Any:
     return AutoTokenizer.from_pretrained(resolve_model_dir(None), local_files_only=True)
 
 
-def test_labels_cover_exactly_the_completion_and_the_end_of_turn(tokenizer: Any) -> None:
-    from flywheel.policy.local import chat_prompt_ids
+def test_labels_cover_exactly_the_reply_and_the_end_of_turn(tokenizer: Any) -> None:
+    from flywheel.policy.chat_format import chat_format_for, openai_tools, template_messages
 
+    fmt = chat_format_for(tokenizer)
     demo = success_demonstration(record("What's the weather in Paris?",
                                         [("get_weather", WEATHER, "ok")]))
     assert demo is not None
-    end = end_of_turn_ids(tokenizer)
-    assert end == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    ex = encode_demonstration(tokenizer, demo, end)
-    prompt = chat_prompt_ids(tokenizer, demo.messages, demo.prefill)  # what sampling starts from
+    ex = encode_demonstration(fmt, demo)
+    prompt = fmt.render(demo.messages, demo.tools)  # what sampling starts from
     assert ex.input_ids[:len(prompt)] == prompt
     assert ex.labels[:len(prompt)] == [IGNORE] * len(prompt)
     trained = ex.input_ids[len(prompt):]
     assert ex.labels[len(prompt):] == trained and ex.target_len == len(trained)
-    assert trained[-1] == end[0]
-    assert tokenizer.decode(trained[:-1]) == demo.completion
-    assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n" + TOOL_PREFILL)
+    assert trained[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tokenizer.decode(trained) == (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
+        "\n</tool_call><|im_end|>")
+    assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n")  # no prefill
+    # The template's own generation span marks exactly the trained tokens.
+    enc = tokenizer.apply_chat_template(
+        template_messages([*demo.messages, demo.reply]), tools=openai_tools(demo.tools),
+        chat_template=fmt.template, tokenize=True, return_dict=True,
+        return_assistant_tokens_mask=True)
+    assert [t for t, m in zip(enc["input_ids"], enc["assistant_masks"], strict=True) if m] \
+        == trained
 
 
 def test_collate_left_pads_and_keeps_the_last_targets() -> None:

@@ -1,11 +1,12 @@
 """The warm start on the real SmolLM2-135M: a few SFT steps on successes' demonstrations make
-the untuned model emit the JSON tool-call format on requests it never saw.
+the untuned model emit the chat format's `<tool_call>` blocks on requests it never saw.
 
 Train and held-out requests are disjoint (other cities, people and ticket numbers); both are
 sampled through `LocalPolicy` and the rollout loop with fixed seeds, at the GRPO sampling
-temperature. Measured on 2 shared CPU cores (~110 s: evaluations ~55, SFT ~50): valid JSON
-0.08 → 0.92 and right tool 0.00 → 0.58 after 5 steps of 8 at lr 1e-3 (right tool 0.75 after
-10 steps and 1.00 after 15; see docs/BENCHMARKS.md).
+temperature, with the chat template and no prefill (what serving renders). Measured on 2
+CPU cores (156 s: evaluations 66 + 46, SFT 43): a parsed call ("valid_json") 0.00 → 0.67
+and right tool 0.00 → 0.58 after 5 steps of 8 at lr 1e-3 (under the earlier prefilled JSON
+prompt the same test gave 0.08 → 0.92 and 0.00 → 0.58; docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ STEPS, BATCH, LR = 5, 8, 1e-3
 TRAIN = (["Paris", "Lagos", "Osaka", "Lima", "Oslo", "Cairo", "Delhi", "Hanoi", "Rome", "Seoul",
           "Dakar", "Porto"], ["ana", "bo", "eli", "fay", "gus", "hal"], list(range(1000, 1012)))
 HELD = (["Pune", "Quito"], ["chen", "dee"], [7001, 7002])
-EVAL = GroupConfig(group_size=2, max_tokens=40, temperature=1.0)
+EVAL = GroupConfig(group_size=2, max_tokens=64, temperature=1.0, rollout_timeout_s=900)
+"""The untuned model rambles to the token limit; on a loaded machine a group can take
+minutes, and a timed-out attempt is not scored (it would drop out of `before`)."""
 
 
 def _requests(cities: list[str], people: list[str], tickets: list[int]) -> list[Trajectory]:

@@ -7,10 +7,11 @@ import asyncio
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from flywheel.adapters import registry
 from flywheel.adapters.artifacts import artifact_store
 from flywheel.config import Settings
 from flywheel.errors import PermanentError
-from flywheel.policy.base import AdapterRef
+from flywheel.policy.base import AdapterRef, served_name
 
 
 class UnknownAdapter(PermanentError, LookupError):
@@ -40,3 +41,15 @@ class AdapterResolver:
             ref, _ = await asyncio.to_thread(self.store.load, self.policy, version)
             self._verified[version] = ref
         return self._verified[version]
+
+    async def protect_production(self, policy: object) -> None:
+        """Pin the version production serves on an engine whose replicas every process
+        shares (vLLM: `pin_production`), so that this process's retention never unloads it
+        from under the serving endpoint. Call it before placing a version; an engine of this
+        process alone (the local one) has nothing to protect."""
+        pin = getattr(policy, "pin_production", None)
+        if pin is None:
+            return
+        async with self.engine.connect() as conn:
+            version = await registry.production_version(conn, self.policy)
+        pin(None if version is None else served_name(self.policy, version))

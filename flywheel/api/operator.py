@@ -1,10 +1,10 @@
-"""HTTP API for operators and agents: review decisions, roll back, the `production` alias.
+"""HTTP API for operators: review decisions, roll back, where the `production` alias points.
 
 Reads (`GET /v1/status`, `/v1/whoami`, `/v1/adapters…`, `/v1/promotions…`, `/v1/serving`)
 need any valid token; actions (approve, reject, rollback) need the `operate` scope and are
 audited as events whose `actor` is the token fingerprint (plus the `X-Flywheel-Actor` name
-when sent). Agents call `POST /v1/chat/completions` (OpenAI-compatible, `publish` scope)
-with `model: "production"`.
+when sent). The lifespan hook also owns the `ServingSync` that the OpenAI-compatible routes
+agents call (`flywheel.api.serving_routes`) answer from.
 
 Mount with `create_app(settings, routers=[operator_router()], lifespan_hooks=[operator_lifespan])`.
 """
@@ -229,19 +229,5 @@ def operator_router() -> APIRouter:
         """What the `production` alias resolves to, and on which replicas."""
         async with _db(request).connect() as conn:
             return await queries.production(conn, settings_of(request).policy)
-
-    @router.post("/chat/completions", tags=["serving"])
-    async def chat(request: Request, _: Principal = require_scope("publish")) -> dict[str, Any]:
-        """OpenAI-compatible chat completion; `model: "production"` follows promotions and
-        rollbacks."""
-        body = await request.json()
-        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-            raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY,
-                                "body must be a chat completion request with `messages`")
-        sync: ServingSync = request.app.state.serving
-        try:
-            return await sync.chat(body)
-        except LookupError as err:
-            raise HTTPException(status.HTTP_404_NOT_FOUND, str(err)) from err
 
     return router

@@ -6,17 +6,17 @@ every replica of the configured engine and verified there — vLLM: `load_lora_a
 each replica, then `/v1/models` must list it; local engine: the checksummed artifact loaded
 in process — and only then does the alias move and `ServingSwitched` get recorded. Agents
 call `POST /v1/chat/completions` with `model: "production"` and get the version the alias
-points at; the response's `model` names it (`<policy>@v<N>`, or the base model).
+points at; the response's `model` names it (`<policy>@v<N>`, or the base model). How a
+request is answered is in `flywheel.api.completions`, the routes in `serving_routes`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
-import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -25,7 +25,7 @@ from flywheel.adapters import lifecycle
 from flywheel.adapters.resolver import AdapterResolver
 from flywheel.config import Settings
 from flywheel.events import ServingSwitched, ServingSwitchedPayload
-from flywheel.policy.base import AdapterRef, Policy, SamplingParams
+from flywheel.policy.base import AdapterRef, Policy
 
 log = logging.getLogger("flywheel.serving")
 ALIASES = ("production",)
@@ -49,6 +49,7 @@ class ServingSync:
         self.settings, self.engine = settings, engine
         self.name = settings.policy
         self._policy = policy
+        self._policy_lock = threading.Lock()
         self.adapters = AdapterResolver(engine, settings)
         self.current: Target | None = None
         self._lock = asyncio.Lock()
@@ -56,11 +57,18 @@ class ServingSync:
         """Explicitly addressed versions → when they were last placed on every replica."""
 
     def policy(self) -> Policy:
-        if self._policy is None:
-            from flywheel.policy.factory import make_policy
+        """The serving engine, built on first use (the local engine loads the model: call
+        this from a thread, as `complete` does)."""
+        with self._policy_lock:
+            if self._policy is None:
+                from flywheel.policy.factory import make_policy
 
-            self._policy = make_policy(self.settings)
-        return self._policy
+                self._policy = make_policy(self.settings)
+            return self._policy
+
+    async def loaded_policy(self) -> Policy:
+        """`policy()` without blocking the event loop while the engine loads."""
+        return self._policy if self._policy is not None else await asyncio.to_thread(self.policy)
 
     def replicas(self, target: Target | None = None) -> list[str]:
         """Where `target` serves: the replicas that loaded and verified it (a replica that
@@ -86,17 +94,40 @@ class ServingSync:
                     self.current = Target(None, None)
                 return False
             if self.current is not None and self.current.version == row.version:
+                await self._keep_placed(self.current)
                 return False
             adapter = await self.adapters(row.version)
+            policy = await self.loaded_policy()
+            pin = getattr(policy, "pin_production", None)
+            if pin is not None:  # vLLM: no process's retention may unload it (see there)
+                pin(adapter.name if adapter is not None else None)
             if adapter is not None:
                 # Every replica loads and verifies it before the alias moves.
-                await self.policy().ensure_adapter(adapter)
+                await policy.ensure_adapter(adapter)
+                self._placed[adapter.version] = time.monotonic()
             target = Target(row.version, adapter)
             if row.serving != row.version or row.served_name is None:
                 await self._record(target)
             self.current = target
             log.info("production alias → %s on %s", target.name, self.replicas(target))
             return True
+
+    async def _keep_placed(self, target: Target) -> None:
+        """Place production again every PLACE_TTL_S: a replica that restarted, or retention
+        in a process that had not seen the promotion yet, may have dropped it (vLLM's
+        replicas are shared); `ensure_adapter` only lists where nothing was lost."""
+        adapter = target.adapter
+        if adapter is None or time.monotonic() - self._placed.get(
+                adapter.version, -PLACE_TTL_S) < PLACE_TTL_S:
+            return
+        await (await self.loaded_policy()).ensure_adapter(adapter)
+        self._placed[adapter.version] = time.monotonic()
+
+    async def place_again(self, target: Target) -> None:
+        """`target` was found unloaded while answering: place it now (not at the next TTL)."""
+        if target.adapter is not None:
+            await (await self.loaded_policy()).ensure_adapter(target.adapter)
+            self._placed[target.adapter.version] = time.monotonic()
 
     async def _record(self, target: Target) -> None:
         async with self.engine.begin() as conn:
@@ -143,35 +174,13 @@ class ServingSync:
             # it runs once per PLACE_TTL_S per version, not on every chat request.
             if adapter is not None and time.monotonic() - self._placed.get(
                     version, -PLACE_TTL_S) >= PLACE_TTL_S:
-                await self.policy().ensure_adapter(adapter)
+                await (await self.loaded_policy()).ensure_adapter(adapter)
                 self._placed[version] = time.monotonic()
             return Target(version, adapter)
         raise LookupError(f"unknown model {model!r}: use 'production', 'base' or "
                           f"'{self.name}@v<N>'")
 
-    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
-        """An OpenAI Chat Completions answer from the resolved version."""
-        target = await self.resolve(str(body.get("model", "production")))
-        params = SamplingParams(n=1, max_tokens=int(body.get("max_tokens") or 256),
-                                temperature=float(body.get("temperature") or 1e-3),
-                                top_p=float(body.get("top_p") or 1.0),
-                                seed=body.get("seed"), stop=tuple(_stops(body.get("stop"))))
-        started = time.time()
-        (c,) = await self.policy().sample(body["messages"], params, adapter=target.adapter)
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                "created": int(started), "model": target.name,
-                "choices": [{"index": 0, "finish_reason": c.finish_reason,
-                             "message": {"role": "assistant", "content": c.text}}],
-                "usage": {"prompt_tokens": len(c.prompt_token_ids),
-                          "completion_tokens": len(c.token_ids),
-                          "total_tokens": len(c.prompt_token_ids) + len(c.token_ids)}}
-
     async def close(self) -> None:
         if self._policy is not None:
             await self._policy.close()
 
-
-def _stops(stop: Any) -> list[str]:
-    if stop is None:
-        return []
-    return [stop] if isinstance(stop, str) else [str(s) for s in stop]

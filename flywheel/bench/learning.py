@@ -36,9 +36,27 @@ from flywheel.rollout.loop import GroupConfig, run_group
 from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
 
 
-def fixed_tasks(n: int, seed: int = 0, exclude: set[str] | None = None) -> list[TaskSpec]:
-    """`n` tool_call tasks drawn with `seed`, distinct prompts none of which is in
-    `exclude`."""
+def answered(rng: random.Random, shots: int) -> list[dict[str, Any]]:
+    """`shots` earlier requests, each answered with its right call, the call's result and a
+    line of text: context that makes the untuned model write `<tool_call>` blocks itself
+    (without it, it answers in prose and every reward is 0)."""
+    out: list[dict[str, Any]] = []
+    for n in range(shots):
+        prompt, tool, args = _request(rng)
+        out += [{"role": "user", "content": prompt},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": f"shot{n}", "type": "function",
+                     "function": {"name": tool, "arguments": json.dumps(args)}}]},
+                {"role": "tool", "tool_call_id": f"shot{n}", "content": '{"ok": true}'},
+                {"role": "assistant", "content": "Done."}]
+    return out
+
+
+def fixed_tasks(n: int, seed: int = 0, exclude: set[str] | None = None, *,
+                shots: int = 0) -> list[TaskSpec]:
+    """`n` tool_call tasks of the demo's requests drawn with `seed`; with `exclude`, distinct
+    requests none of which is in it. `shots` > 0 puts that many answered requests before
+    each (see `answered`)."""
     rng = random.Random(seed)
     tasks: list[TaskSpec] = []
     seen = set(exclude or ())
@@ -51,7 +69,8 @@ def fixed_tasks(n: int, seed: int = 0, exclude: set[str] | None = None) -> list[
                 continue
             seen.add(prompt)
         tasks.append(TaskSpec(task_id=uuid.uuid4(), env="tool_call", tools=TOOLS,
-                              messages=[{"role": "user", "content": prompt}],
+                              messages=[*answered(rng, shots),
+                                        {"role": "user", "content": prompt}],
                               verifier=ToolCallSpec(expected=[ExpectedCall(name=tool,
                                                                            arguments=args)]),
                               failure_mode="bad_arguments", fingerprint=f"learn-{i}",
@@ -148,7 +167,7 @@ async def _run(steps: int, tasks_n: int, batch: int, group_size: int, max_tokens
     tasks = fixed_tasks(tasks_n)
     # Held out: requests GRPO never trains on and SFT never sees as demonstrations.
     heldout = fixed_tasks(heldout_tasks, seed=2,
-                          exclude={t.messages[0]["content"] for t in tasks})
+                          exclude={t.messages[-1]["content"] for t in tasks})
     cfg = GroupConfig(group_size=group_size, max_tokens=max_tokens, temperature=1.0)
     held_cfg = GroupConfig(group_size=heldout_samples, max_tokens=max_tokens, temperature=1.0)
     env = load_environment("tool_call")
@@ -218,7 +237,7 @@ def _share(outcomes: Outcomes) -> float:
 
 
 def run_learning(steps: int = 30, *, tasks: int = 6, batch: int = 2, group_size: int = 8,
-                 max_tokens: int = 32, lr: float = 2e-4, sft_steps: int = 0,
+                 max_tokens: int = 64, lr: float = 2e-4, sft_steps: int = 0,
                  heldout_tasks: int = 25, heldout_samples: int = 8) -> dict[str, Any]:
     if heldout_tasks * heldout_samples < 200:
         raise ValueError(f"{heldout_tasks} held-out tasks × {heldout_samples} samples = "

@@ -2,11 +2,11 @@
 all prompts share) run once, against running every prompt + completion in full.
 
 Both paths compute the same loss and gradient (tests/test_trainer_prefix.py checks that);
-this measures what running each prompt once saves. Real tool_call prompts (instructions,
-tool list, examples, request, prefill) of B fixed tasks, G completions each of `tokens`
-tokens (drawn at random: the cost does not depend on what they say), LoRA r=16 on q/k/v/o,
-the trainer's micro-batch. Each side is timed `repeats` times after a warm-up; the best run
-counts. CPU, single process.
+this measures what running each prompt once saves. Real tool_call prompts (the chat
+template with the tools: instructions, tool list, examples, request) of B fixed tasks, G
+completions each of `tokens` tokens (drawn at random: the cost does not depend on what they
+say), LoRA r=16 on q/k/v/o, the trainer's micro-batch. Each side is timed `repeats` times
+after a warm-up; the best run counts. CPU, single process.
 """
 
 from __future__ import annotations
@@ -29,20 +29,18 @@ def _best(fn: Callable[[], Any], repeats: int) -> float:
 
 def run_prefix_bench(*, batch: int = 4, group_size: int = 8, tokens: int = 32,
                      repeats: int = 1) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
     from flywheel.bench.learning import fixed_tasks
     from flywheel.config import TrainerSettings
-    from flywheel.environments.prompt import build_prompt
+    from flywheel.environments.prompt import task_messages, task_tools
     from flywheel.mining.demos import demonstration_from_task
-    from flywheel.policy.local import chat_prompt_ids
+    from flywheel.policy.chat_format import load_chat_format
     from flywheel.policy.model_cache import resolve_model_dir
     from flywheel.trainer.engine import LoRASpec, LoRATrainer, Sample
     from flywheel.trainer.grpo import GRPOConfig
-    from flywheel.trainer.sft import encode_demonstration, end_of_turn_ids, sft_backward
+    from flywheel.trainer.sft import encode_demonstration, sft_backward
 
     model_dir = resolve_model_dir(None)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    fmt = load_chat_format(model_dir)
     t = TrainerSettings()
     trainer = LoRATrainer(model_dir, lora=LoRASpec(r=t.lora_r, alpha=t.lora_alpha),
                           grpo=GRPOConfig(), lr=t.lr, micro_batch=t.micro_batch)
@@ -50,8 +48,7 @@ def run_prefix_bench(*, batch: int = 4, group_size: int = 8, tokens: int = 32,
     tasks = fixed_tasks(batch)
     samples = []
     for task in tasks:
-        prompt = build_prompt(task)
-        ids = chat_prompt_ids(tokenizer, prompt.messages, prompt.prefill)
+        ids = fmt.render(task_messages(task), task_tools(task))
         for g in range(group_size):
             completion = [rng.randrange(100, 40000) for _ in range(tokens)]
             samples.append(Sample(ids, completion, [-2.0] * tokens, 1.0 if g % 2 else -1.0,
@@ -63,10 +60,9 @@ def run_prefix_bench(*, batch: int = 4, group_size: int = 8, tokens: int = 32,
             trainer.optimizer.zero_grad(set_to_none=True)
         return run
 
-    end = end_of_turn_ids(tokenizer)
     demos = [d for task in fixed_tasks(batch * 2, seed=1)
              if (d := demonstration_from_task(task, task.task_id)) is not None]
-    examples = [encode_demonstration(tokenizer, d, end) for d in demos]
+    examples = [encode_demonstration(fmt, d) for d in demos]
 
     def sft(shared: bool) -> Callable[[], Any]:
         def run() -> None:

@@ -29,7 +29,7 @@ from flywheel.bench.stack import temp_stack
 from flywheel.config import RolloutSettings, Settings, Topics, settings_env
 from flywheel.db.engine import make_engine
 from flywheel.demo.simulate import simulate
-from flywheel.environments.prompt import build_prompt
+from flywheel.environments.prompt import task_messages, task_tools
 from flywheel.mining.service import mine_batch
 from flywheel.policy.base import Completion, Policy, SamplingParams
 from flywheel.rollout.store import request_rollouts
@@ -108,26 +108,27 @@ async def _direct_side(settings: Settings, tasks: list[TaskSpec],
     from flywheel.policy.local import LocalPolicy
     from flywheel.policy.model_cache import resolve_model_dir
 
-    model_dir = resolve_model_dir(settings.rollout.model_dir)
+    cfg = settings.rollout
+    model_dir = resolve_model_dir(cfg.model_dir)
     engines: dict[str, Policy] = {
         "direct": make_policy(settings),
-        "no_cache": LocalPolicy(model_dir, prefix_cache_mb=0),
-        "unshared": LocalPolicy(model_dir, share_prompts=False, prefix_cache_mb=0)}
-    cfg = settings.rollout
+        "no_cache": LocalPolicy(model_dir, prefix_cache_mb=0, chat_template=cfg.chat_template),
+        "unshared": LocalPolicy(model_dir, share_prompts=False, prefix_cache_mb=0,
+                                chat_template=cfg.chat_template)}
     sides: dict[str, dict[str, Any]] = {
         name: {"seconds": 0.0, "tokens": 0, "completions": [], "prompt_tokens": 0}
         for name in engines}
     try:
         for i, (task, seed) in enumerate(zip(tasks, seeds, strict=True)):
-            p = build_prompt(task)
+            # The rollout loop's request: the task's messages and tools, no prefill or stop.
             params = SamplingParams(n=cfg.group_size, max_tokens=cfg.max_tokens,
-                                    temperature=cfg.temperature, seed=seed, stop=p.stop,
-                                    prefill=p.prefill, stop_at_json_end=p.stop_at_json_end)
+                                    temperature=cfg.temperature, seed=seed)
+            messages, tools = task_messages(task), task_tools(task)
             names = list(engines)
             # Rotate who goes first: on a shared machine no side always gets the quiet slot.
             for name in names[i % len(names):] + names[:i % len(names)]:
                 t0 = time.perf_counter()
-                got = await engines[name].sample(p.messages, params)
+                got = await engines[name].sample(messages, params, tools=tools)
                 elapsed = time.perf_counter() - t0
                 if i == 0:
                     continue  # warm-up, as on the worker side

@@ -3,7 +3,9 @@
 Both sides train the same model (the local SmolLM2 safetensors directory) with the same LoRA
 (r=16, alpha=32, q/k/v/o), group size G, completion limit, learning rate, clip range
 (0.2 / 0.28, token-level loss, std-scaled group advantages, no KL) and reward (Flywheel's
-tool_call verifier on prefill + completion) on the same fixed tool_call tasks, on CPU.
+tool_call verifier on the completion as the policy's chat format parses it) on the same
+fixed tool_call tasks (each after three answered requests, so the untuned model calls
+tools and its groups have reward variance), on CPU.
 
 Flywheel side, in-process: a LocalPolicy (its own model, its own worker thread) samples and
 scores groups with `run_group` while a LoRATrainer (a second model copy) steps on another
@@ -17,10 +19,10 @@ also timed without overlap (staleness 0, every phase on all cores), so the overl
 effect on this machine is visible rather than assumed.
 
 TRL side: `GRPOTrainer.train()` with `max_steps=K` and its own transformers `generate`. The
-prompt is a plain-text prompt: the chat template rendered with the generation prompt, then
-Flywheel's prefill (`{"tool": "`), i.e. exactly the token sequence Flywheel samples from;
-the reward function prepends the prefill to each completion before verifying. TRL has no
-JSON-end stop, so its completions run to EOS or the token limit (mean lengths reported).
+prompt is a plain-text prompt: the policy's chat format rendered with the task's tools and
+the generation prompt, i.e. exactly the token sequence Flywheel samples from; the reward
+function parses each completion with the same chat format before verifying. Both sides'
+completions run to EOS or the token limit (mean lengths reported).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from typing import Any
 
 from flywheel.bench.learning import fixed_tasks
 from flywheel.environments import load_environment
-from flywheel.environments.prompt import build_prompt
+from flywheel.environments.prompt import task_messages, task_tools
 from flywheel.events import GroupScoredPayload
 from flywheel.policy.base import AdapterRef
 from flywheel.rollout.loop import GroupConfig, run_group
@@ -178,15 +180,15 @@ def _trl_run(trl: Any, steps: int, tasks: list[TaskSpec], batch: int, cfg: Group
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from flywheel.policy.chat_format import load_chat_format
     from flywheel.policy.model_cache import resolve_model_dir
     from flywheel.trainer.engine import LoRASpec
 
     model_dir = resolve_model_dir(None)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    prompts = [build_prompt(t) for t in tasks]
-    rows = [{"prompt": str(tokenizer.apply_chat_template(p.messages, add_generation_prompt=True,
-                                                         tokenize=False)) + p.prefill,
-             "task_index": i} for i, p in enumerate(prompts)]
+    fmt = load_chat_format(model_dir)
+    rows = [{"prompt": fmt.render_text(task_messages(t), task_tools(t)), "task_index": i}
+            for i, t in enumerate(tasks)]
     env = load_environment("tool_call")
 
     def tool_call_reward(completions: list[str], task_index: list[int],
@@ -194,7 +196,7 @@ def _trl_run(trl: Any, steps: int, tasks: list[TaskSpec], batch: int, cfg: Group
         out: list[float | None] = []
         for text, i in zip(completions, task_index, strict=True):
             try:
-                out.append(env.verify_task(tasks[i], prompts[i].prefill + text).reward)
+                out.append(env.verify_task(tasks[i], fmt.parse(text)).reward)
             except RolloutNotRun:  # not run: excluded (NaN in TRL), never scored 0
                 out.append(None)
         return out
@@ -256,14 +258,16 @@ def _rounded(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_trainer_bench(steps: int = 3, *, batch: int = 2, group_size: int = 8,
-                      max_tokens: int = 32, lr: float = 2e-4, tasks: int = 6,
+                      max_tokens: int = 64, lr: float = 2e-4, tasks: int = 6,
                       staleness: int = 1, sequential: bool = True,
                       trl: bool = True) -> dict[str, Any]:
     if steps < 1 or batch < 1 or staleness < 1:
         raise ValueError("steps, batch and staleness must be ≥ 1")
     import torch
 
-    fixed = fixed_tasks(tasks)
+    # Three answered requests before each: GRPO from the base model needs reward variance,
+    # which the untuned model only shows once the context holds calls (see `answered`).
+    fixed = fixed_tasks(tasks, shots=3)
     cfg = GroupConfig(group_size=group_size, max_tokens=max_tokens, temperature=1.0)
     cores = torch.get_num_threads()
     # Overlapped, the trainer (compute-bound, scales with cores; the bottleneck on CPU) keeps

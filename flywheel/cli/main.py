@@ -32,10 +32,12 @@ from flywheel.cli.common import (  # noqa: E402
     print_result,
     uuid_arg,
 )
+from flywheel.cli.policy import policy_app  # noqa: E402
 from flywheel.cli.publish import publish  # noqa: E402
 from flywheel.cli.review import adapters_app, promotions_app, replay  # noqa: E402
 from flywheel.cli.vllm import vllm_app  # noqa: E402
 
+app.add_typer(policy_app, name="policy")
 app.add_typer(promotions_app, name="promotions")
 app.add_typer(vllm_app, name="vllm")
 app.add_typer(adapters_app, name="adapters")
@@ -306,11 +308,15 @@ def verify_check(
                                           "assistant message with tool_calls, a list of "
                                           "calls, the raw text as a JSON string, or an end "
                                           "state).")],
+    raw: Annotated[bool, typer.Option(help="The outputs are the model's reply texts (JSON "
+                                      "strings): parse them with the policy's chat format, "
+                                      "as rollouts do, before scoring.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Score each output against the task: one JSON line per output."""
     from pydantic import ValidationError
 
+    from flywheel.environments import load_environment
     from flywheel.mining.verify import check
     from flywheel.tasks import TaskSpec
 
@@ -324,6 +330,11 @@ def verify_check(
     except (OSError, json.JSONDecodeError) as exc:
         _fail(f"cannot read outputs {outputs}: {exc}")
         return
+    if raw and load_environment(spec.env).reads == "message":
+        from flywheel.policy.factory import policy_chat_format
+
+        fmt = policy_chat_format(_settings())
+        lines = [fmt.parse(line) if isinstance(line, str) else line for line in lines]
     for result in check(spec, lines):
         print(json.dumps(result, sort_keys=True))
 
@@ -391,8 +402,10 @@ def bench_learning(
     tasks: Annotated[int, typer.Option(help="Fixed tool_call tasks.")] = 6,
     lr: Annotated[float, typer.Option(help="Learning rate.")] = 2e-4,
     sft_steps: Annotated[int, typer.Option(
-        help="SFT warm-start steps before GRPO, on demonstrations of other requests.")] = 0,
-    max_tokens: Annotated[int, typer.Option(help="Most tokens per completion.")] = 32,
+        help="SFT warm-start steps before GRPO, on demonstrations of other requests (the "
+             "untuned model calls no tool, so GRPO alone has no signal).")] = 12,
+    max_tokens: Annotated[int, typer.Option(
+        help="Most tokens per completion (a tool call in the chat format is 40-50).")] = 64,
     heldout_tasks: Annotated[int, typer.Option(
         help="Requests never trained on, for GRPO's gain over its start.")] = 25,
     heldout_samples: Annotated[int, typer.Option(
@@ -432,7 +445,8 @@ def bench_trainer(
     steps: Annotated[int, typer.Option(help="GRPO steps on each side.")] = 3,
     batch: Annotated[int, typer.Option(help="B: trainable groups per step.")] = 2,
     group_size: Annotated[int, typer.Option(help="G: completions per group.")] = 8,
-    max_tokens: Annotated[int, typer.Option(help="Token limit per completion.")] = 32,
+    max_tokens: Annotated[int, typer.Option(
+        help="Token limit per completion (a tool call in the chat format is 40-50).")] = 64,
     staleness: Annotated[int, typer.Option(help="Versions sampling may run ahead of "
                                            "training.")] = 1,
     sequential: Annotated[bool, typer.Option(help="Also time the same pipeline without "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 from flywheel.tasks import (
     CodeSpec,
@@ -38,6 +38,9 @@ class Environment(ABC):
 
     name: ClassVar[str]
     multi_step: ClassVar[bool] = False
+    reads: ClassVar[Literal["text", "message"]] = "text"
+    """What a single-step `verify` is given: the reply's text, or the assistant message the
+    policy's chat format parsed from it (`{"content", "tool_calls", "parse_error"?}`)."""
 
     @abstractmethod
     def verify(self, spec: AnySpec, output: object, *,

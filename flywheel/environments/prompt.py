@@ -1,87 +1,45 @@
-"""How a task is put to the policy: instructions, one example call per tool, a prefill.
+"""How a task is put to the policy (its messages and tools, through the policy's chat
+format), and the legacy one-JSON-object call format some stored outputs still use.
 
-Small models rarely emit a bare JSON tool call unprompted; one example per tool plus a
-`{"tool": "` prefill and stopping at the end of the JSON object is what makes the format
-reachable (measured here: ~21% right tool for the untuned 135M model, from ~0%).
+Rollouts, the gate and SFT send a task's own messages and tools: the policy's chat template
+renders the tools, the instruction and one example call per tool (so serving renders exactly
+the same prompt), and no prefill or stop rule other than the end-of-turn token applies. Only
+`code` tasks get a task-level instruction, as a system message (`CODE_INSTRUCTION`): their
+answer is a fenced code block the verifier extracts.
+
+`parse_tool_call` reads the old `{"tool": NAME, "arguments": {...}}` text format; the
+tool_call verifier still accepts it for outputs scored from text (`flywheel verify check`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
-from flywheel.tasks import CodeSpec, TaskSpec, WorkplaceSpec
-
-TOOL_PREFILL = '{"tool": "'
-STEP_PREFILL = '{"'
+from flywheel.tasks import CodeSpec, TaskSpec
 
 
-@dataclass(frozen=True)
-class Prompt:
-    messages: list[dict[str, Any]]
-    prefill: str
-    stop: tuple[str, ...]
-    stop_at_json_end: bool
-    multi_step: bool
+def code_instruction(entrypoint: str | None) -> str:
+    return ("Write Python code that solves the request"
+            + (f" by defining `{entrypoint}`" if entrypoint else "")
+            + ". Reply with only the code in one ```python block.")
 
 
-def example_value(schema: dict[str, Any]) -> Any:
-    """A plausible value for a JSON-schema property (for the in-prompt example call)."""
-    if schema.get("enum"):
-        return schema["enum"][0]
-    kind = schema.get("type")
-    if kind == "integer":
-        return int(schema.get("minimum", 1))
-    if kind == "number":
-        return float(schema.get("minimum", 1))
-    if kind == "boolean":
-        return True
-    if kind == "array":
-        return []
-    if kind == "object":
-        return {}
-    return "..."
+def task_messages(task: TaskSpec) -> list[dict[str, Any]]:
+    """The chat messages a task is put to the policy with (its tools go separately)."""
+    messages = [dict(m) for m in task.messages]
+    if not isinstance(task.verifier, CodeSpec):
+        return messages
+    instruction = code_instruction(task.verifier.entrypoint)
+    system = [m["content"] for m in messages
+              if m["role"] == "system" and isinstance(m.get("content"), str)]
+    rest = [m for m in messages if m["role"] != "system"]
+    return [{"role": "system", "content": "\n".join([*system, instruction])}, *rest]
 
 
-def example_call(tool: dict[str, Any]) -> str:
-    params = tool.get("parameters") or {}
-    props: dict[str, Any] = params.get("properties") or {}
-    required = params.get("required") or list(props)
-    args = {k: example_value(props[k]) for k in required if k in props}
-    return json.dumps({"tool": tool["name"], "arguments": args})
-
-
-def _tool_block(tools: list[dict[str, Any]]) -> str:
-    lines = []
-    for tool in tools:
-        desc = f" — {tool['description']}" if tool.get("description") else ""
-        lines.append(f"- {tool['name']}{desc}. Parameters: "
-                     f"{json.dumps((tool.get('parameters') or {}).get('properties', {}))}\n"
-                     f"  Example: {example_call(tool)}")
-    return "\n".join(lines)
-
-
-def build_prompt(task: TaskSpec) -> Prompt:
-    original_system = [m["content"] for m in task.messages
-                       if m["role"] == "system" and isinstance(m.get("content"), str)]
-    rest = [m for m in task.messages if m["role"] != "system"]
-    if isinstance(task.verifier, CodeSpec):
-        entry = task.verifier.entrypoint
-        system = ("Write Python code that solves the request"
-                  + (f" by defining `{entry}`" if entry else "")
-                  + ". Reply with only the code in one ```python block.")
-        return Prompt([{"role": "system", "content": "\n".join([*original_system, system])},
-                       *rest], "```python\n", ("```",), False, False)
-    multi = isinstance(task.verifier, WorkplaceSpec)
-    system = ("You can call these tools:\n" + _tool_block(task.tools) + "\n"
-              "Reply with exactly one JSON object and nothing else: "
-              '{"tool": "<name>", "arguments": {...}}.')
-    if multi:
-        system += (" You will see each tool's result and may call more tools. When the "
-                   'request is fully done, reply {"final": "<one-line summary>"}.')
-    return Prompt([{"role": "system", "content": "\n".join([*original_system, system])},
-                   *rest], STEP_PREFILL if multi else TOOL_PREFILL, (), True, multi)
+def task_tools(task: TaskSpec) -> list[dict[str, Any]] | None:
+    """The tools a task offers, None when it offers none (templates render `[]` for some)."""
+    return [dict(t) for t in task.tools] or None
 
 
 class InvalidCall(ValueError):

@@ -76,6 +76,7 @@ class ToolCallEnvironment(Environment):
     """Single-step: the output is the model's turn at the failing decision."""
 
     name = "tool_call"
+    reads = "message"
 
     def verify(self, spec: AnySpec, output: object, *,
                tools: ToolSchemas | None = None) -> VerifierResult:

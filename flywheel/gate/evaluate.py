@@ -5,8 +5,9 @@ the sample indices r·s … r·s + s − 1 and a seed derived from the task and 
 comparison are sampled by this one function with the same prompts, seeds and sampling
 settings, so their attempts pair up by (task, index). Each round of a side is cached in
 `eval_runs` under a key of everything that determines it (policy, version, eval-set version,
-gate sampling settings, engine) plus the round, so production is sampled once per index
-however many candidates it meets, and an evaluation that goes deeper extends its cache.
+gate sampling settings, engine, chat format) plus the round, so production is sampled once
+per index however many candidates it meets, and an evaluation that goes deeper extends its
+cache.
 """
 
 from __future__ import annotations
@@ -77,9 +78,13 @@ def _attempt(task: TaskSpec, r: ScoredRollout, offset: int = 0) -> Attempt:
                    latency_ms=r.latency_ms, tokens=sum(len(t.token_ids) for t in r.turns))
 
 
-def run_key(settings: Settings, version: int | None, holdout: Holdout) -> str:
+def run_key(settings: Settings, version: int | None, holdout: Holdout, chat_format: str
+            ) -> str:
+    """The cache key of a run; `chat_format` is the policy's `ChatFormat.version`, so runs
+    under another prompt (an older template, or the pre-chat-template prompt) never count."""
     g, r = settings.gate, settings.rollout
     parts = {"policy": settings.policy, "version": version, "eval_set": holdout.eval_set_version,
+             "chat_format": chat_format,
              "envs": sorted(r.envs),
              "tasks": [str(t.task_id) for t in holdout.tasks], "round_samples": g.round_samples,
              "temperature": g.temperature, "seed": g.seed, "max_tokens": r.max_tokens,

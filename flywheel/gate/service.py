@@ -53,13 +53,16 @@ class GateService:
     async def _adapter(self, version: int | None) -> AdapterRef | None:
         adapter = await self.adapters(version)
         if adapter is not None:
+            await self.adapters.protect_production(self.policy)
             await self.policy.ensure_adapter(adapter)
         return adapter
 
     async def round_for(self, version: int | None, adapter: AdapterRef | None,
                         holdout: Holdout, round_: int) -> EvalRun:
         """Round `round_` of `version` (None = base model), from the cache or sampled."""
-        key = round_key(run_key(self.settings, version, holdout), round_)
+        # A thread: the vLLM engine loads its tokenizer on first use.
+        fmt = await asyncio.to_thread(lambda: self.policy.chat_format.version)
+        key = round_key(run_key(self.settings, version, holdout, fmt), round_)
         async with self.engine.connect() as conn:
             cached = await cached_run(conn, key)
         if cached is not None:

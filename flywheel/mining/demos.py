@@ -1,24 +1,24 @@
 """Demonstrations for the SFT warm start: production successes and corrected failures as chat
 examples, put to the policy exactly as a rollout would put the equivalent task.
 
-A demonstration is the first tool call of a `tool_call` decision: the prompt that
-`build_prompt` makes of the context before it (instructions, one example per tool, the
-`{"tool": "` prefill) and the canonical JSON call after the prefill. It comes from
+A demonstration is the tool-call turn of a `tool_call` decision: the task's messages and tools
+(the rollout prompt of the same task, rendered by the policy's chat format) and the right
+assistant message — `tool_calls` with the canonical arguments, one or several calls — which
+SFT trains on as the chat template renders it. It comes from
 
 * a successful trajectory: its first function call after the user request, when that call
   names an offered, safe tool, its arguments are a JSON object and its output is no error;
 * a failure corrected by a person, by structured feedback or by a later successful retry in
-  the same session: the corrected call. The miner already turned these into train-split
-  tasks, so the store reads them from the tasks' `ToolCallSpec.expected` (its canonical
-  arguments). A task expecting several calls is no demonstration yet: the one-JSON-object
-  completion cannot hold them (the chat format's `tool_calls` will).
+  the same session: the corrected call(s). The miner already turned these into train-split
+  tasks, so the store reads them from the tasks' `ToolCallSpec.expected` (their canonical
+  arguments).
 
 Its fingerprint is the one the miner gives the task built from the same context and call, so
 the holdout filter speaks the miner's language: nothing whose fingerprint is a holdout task's,
 nothing from a holdout task's source trajectories or from their (session, request), and,
 given the miner's holdout fraction, nothing whose fingerprint *would* be held out once such
-a failure is mined. Only single-step `tool_call` decisions over plain-text context are
-demonstrations for now; `workplace` episodes and `code` answers are not yet.
+a failure is mined. Only single-step `tool_call` decisions are demonstrations for now;
+`workplace` episodes and `code` answers are not yet.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from flywheel.environments.prompt import build_prompt
+from flywheel.environments.prompt import task_messages, task_tools
 from flywheel.mining.build import (
     environment_name,
     new_task,
@@ -42,6 +42,7 @@ from flywheel.mining.build import (
     tool_specs,
 )
 from flywheel.mining.classify import parse_arguments
+from flywheel.mining.verify import assistant_message
 from flywheel.schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -57,15 +58,28 @@ Request = tuple[str, str]
 @dataclass(frozen=True)
 class Demonstration:
     messages: list[dict[str, Any]]
-    """The chat messages exactly as `build_prompt` puts the equivalent task to the policy."""
-    prefill: str
-    """Text the assistant turn starts with (part of the prompt, never trained on)."""
-    completion: str
-    """The canonical JSON call after the prefill: the tokens SFT trains on."""
+    """The chat messages exactly as rollouts put the equivalent task to the policy."""
+    tools: list[dict[str, Any]] | None
+    """The tools offered (rendered by the chat template, as in rollouts)."""
+    reply: dict[str, Any]
+    """The right assistant message (`tool_calls`, arguments as JSON strings): SFT trains on
+    its rendering, end-of-turn token included."""
     source_trajectory_id: uuid.UUID
     fingerprint: str
-    """The miner's fingerprint of the task with this context and expected call."""
+    """The miner's fingerprint of the task with this context and expected calls."""
     env: str
+
+    @property
+    def completion(self) -> str:
+        """The reply as canonical JSON (what deduplication compares)."""
+        return json.dumps(self.reply, sort_keys=True, ensure_ascii=False)
+
+
+def assistant_reply(calls: Iterable[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """An assistant message making `calls` (name, arguments), arguments as JSON strings and
+    ids as the chat format's parser gives them."""
+    return assistant_message([(name, json.dumps(args, ensure_ascii=False))
+                              for name, args in calls])
 
 
 @dataclass(frozen=True)
@@ -103,29 +117,20 @@ def request_of(t: Trajectory) -> Request | None:
 
 
 def demonstration_from_task(task: TaskSpec, source: uuid.UUID) -> Demonstration | None:
-    """The task's expected call as a demonstration; None when it cannot be one."""
+    """The task's expected calls as a demonstration; None when it cannot be one."""
     spec = task.verifier
-    if task.env != "tool_call" or not isinstance(spec, ToolCallSpec):
+    if task.env != "tool_call" or not isinstance(spec, ToolCallSpec) or not spec.expected:
         return None
     names = {tool.get("name") for tool in task.tools}
     unsafe = set(spec.unsafe_tools) | {t.get("name") for t in task.tools if t.get("x-unsafe")}
-    if len(spec.expected) != 1:
+    if any(want.name not in names or want.name in unsafe for want in spec.expected):
         return None
-    (want,) = spec.expected
-    if want.name not in names or want.name in unsafe:
+    if not any(m["role"] == "user" for m in task.messages):
         return None
-    # Earlier tool calls in the context have no text the chat template can render; the first
-    # decision after the request is what single-step demonstrations teach.
-    if not all(isinstance(m.get("content"), str) and m["role"] in {"system", "user"}
-               for m in task.messages) or not any(m["role"] == "user" for m in task.messages):
-        return None
-    prompt = build_prompt(task)
-    call = json.dumps({"tool": want.name, "arguments": want.arguments})
-    if not call.startswith(prompt.prefill):
-        return None
-    return Demonstration(messages=prompt.messages, prefill=prompt.prefill,
-                         completion=call[len(prompt.prefill):], source_trajectory_id=source,
-                         fingerprint=task.fingerprint, env=task.env)
+    return Demonstration(messages=task_messages(task), tools=task_tools(task),
+                         reply=assistant_reply((w.name, w.arguments) for w in spec.expected),
+                         source_trajectory_id=source, fingerprint=task.fingerprint,
+                         env=task.env)
 
 
 def success_task(t: Trajectory) -> TaskSpec | None:
@@ -143,7 +148,7 @@ def success_task(t: Trajectory) -> TaskSpec | None:
     if args is None or (output is not None and output.status != "ok"):
         return None
     # The same serialization and verifier as `build_task`, so the fingerprints agree; mode
-    # and split are placeholders (build_prompt reads only messages, tools and verifier).
+    # and split are placeholders (a prompt is made of messages and tools only).
     tools, unsafe = tool_specs(t)
     verifier = ToolCallSpec(expected=[ExpectedCall(name=call.name, arguments=args)],
                             unsafe_tools=unsafe)

@@ -1,18 +1,23 @@
 """The policy interface every engine implements, and the types it speaks.
 
-A policy turns chat messages into G sampled completions, each stamped with the adapter
-version that produced it and carrying the sampled token ids and their sampling log-probs
-(log-softmax of the logits divided by the temperature, at the sampled token), so the trainer
-never re-tokenizes text. Adapter versions are immutable: version N is served under the name
-`<policy>@v<N>` and never reloaded under the same name.
+A policy turns chat messages and the tools offered into G sampled completions, each stamped
+with the adapter version that produced it and carrying the sampled token ids and their
+sampling log-probs (log-softmax of the logits divided by the temperature, at the sampled
+token), so the trainer never re-tokenizes text. Every engine renders the prompt and parses
+the reply with the policy's one chat format (`chat_format.py`), as serving does. Adapter
+versions are immutable: version N is served under the name `<policy>@v<N>` and never
+reloaded under the same name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from flywheel.policy.chat_format import ChatFormat
 
 
 def served_name(policy: str, version: int) -> str:
@@ -43,17 +48,19 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: Sequence[str] = ()
-    """Generation stops after any of these strings (kept in the text)."""
+    """Generation stops after any of these strings (kept in the text). Rollouts use none: the
+    end-of-turn token ends a reply, as in serving."""
     prefill: str = ""
-    """Text the assistant turn starts with (part of the prompt, not of the completion)."""
-    stop_at_json_end: bool = False
-    """Stop once `prefill + completion` closes its outermost JSON object."""
+    """Text the assistant turn starts with, rendered right after the generation prompt: part
+    of the prompt (and of `prompt_token_ids`), not of the completion. Only serving uses one,
+    for `tool_choice` "required" or a named function (`flywheel.api.chat_decoding`); rollouts
+    and the gate never do."""
 
 
 @dataclass(frozen=True)
 class Completion:
     text: str
-    """The generated text, without the prefill."""
+    """The generated text (special tokens such as the end-of-turn token left out)."""
     token_ids: list[int]
     logprobs: list[float]
     """Sampling log-prob of each generated token (same length as `token_ids`). Both engines
@@ -68,48 +75,30 @@ class Completion:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def json_object_end(text: str) -> int | None:
-    """Index just past the `}` that closes the first JSON object in `text`; None if it never does.
-
-    Scanning starts at the first `{` (text before it is prose); brackets and braces inside JSON
-    strings (escapes included) do not count. Both engines cut `stop_at_json_end` completions
-    with this rule.
-    """
-    start = text.find("{")
-    if start < 0:
-        return None
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
-
-
 class PolicyError(RuntimeError):
     """The engine could not sample (after its own retries)."""
+
+
+class AdapterNotServed(PolicyError):
+    """No replica serves the adapter asked for any more (another process's retention
+    unloaded it from the shared replicas, or a replica restarted): `ensure_adapter` places
+    it again."""
 
 
 @runtime_checkable
 class Policy(Protocol):
     """What rollout workers, the gate and the benchmarks call."""
 
-    async def sample(self, messages: Sequence[dict[str, Any]], params: SamplingParams, *,
+    @property
+    def chat_format(self) -> ChatFormat:
+        """How prompts are rendered and replies parsed (the same for every engine)."""
+        ...
+
+    async def sample(self, messages: Sequence[Mapping[str, Any]], params: SamplingParams, *,
+                     tools: Sequence[Mapping[str, Any]] | None = None,
                      adapter: AdapterRef | None = None) -> list[Completion]:
-        """`params.n` completions for one chat prompt."""
+        """`params.n` completions for one chat prompt, rendered by `chat_format` with `tools`
+        (OpenAI or Flywheel's flat shape); parse each `text` with `chat_format.parse`."""
         ...
 
     async def ensure_adapter(self, adapter: AdapterRef) -> None:

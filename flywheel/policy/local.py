@@ -6,8 +6,9 @@ loop stays responsive, only one generate runs at a time (torch already uses ever
 an adapter never changes under a running generate. Sampling log-probs are read from the raw
 logits of the very forward passes that sampled the tokens, in fp32. A completion that ends
 on EOS keeps the EOS token (and its log-prob) in `token_ids`, not in `text`, so the trainer
-learns to stop; one cut by a stop string or JSON end keeps tokens up to the one that completed
-it, while its text ends exactly at the stop.
+learns to stop; one cut by a stop string keeps tokens up to the one that completed it, while
+its text ends exactly at the stop. Prompts are rendered by the policy's chat format
+(`chat_format`), the one every engine, SFT and serving use.
 
 Each distinct prompt of a call runs once and its rows sample from copies of its keys/values
 (`flywheel.policy.decode`); the shared start of prompts (system prompt, tools, earlier turns)
@@ -24,7 +25,7 @@ import asyncio
 import gc
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,40 +42,21 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from flywheel.policy.base import (
-    AdapterRef,
-    Completion,
-    PolicyError,
-    SamplingParams,
-    json_object_end,
-)
+from flywheel.policy.base import AdapterRef, Completion, PolicyError, SamplingParams
+from flywheel.policy.chat_format import ChatFormat, load_chat_format
 from flywheel.policy.decode import PromptKV, Seen, encode_cached, sample_rows, share_blocker
 from flywheel.policy.logprobs import sequence_logprobs, token_logprobs
 from flywheel.policy.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-Messages = Sequence[dict[str, Any]]
-
-
-def chat_prompt_ids(tokenizer: Any, messages: Messages, prefill: str = "") -> list[int]:
-    """Token ids of the chat prompt (generation prompt added) followed by `prefill`.
-
-    The ids a completion is sampled after, and so the ids SFT trains a completion after.
-    """
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
-                                         tokenize=False)
-    assert isinstance(text, str)
-    return list(tokenizer(text + prefill, add_special_tokens=False)["input_ids"])
+Messages = Sequence[Mapping[str, Any]]
+Tools = Sequence[Mapping[str, Any]] | None
 
 
 def stop_cut(text: str, params: SamplingParams) -> int | None:
-    """Where the completion `text` must end by `params`' stop conditions; None = not yet."""
+    """Where the completion `text` must end by `params`' stop strings; None = not yet."""
     cuts = [text.find(s) + len(s) for s in params.stop if s and s in text]
-    if params.stop_at_json_end:
-        end = json_object_end(params.prefill + text)
-        if end is not None:
-            cuts.append(max(end - len(params.prefill), 0))
     return min(cuts) if cuts else None
 
 
@@ -102,9 +84,12 @@ class LocalPolicy:
 
     def __init__(self, model_dir: Path, *, policy_name: str = "policy", device: str = "cpu",
                  dtype: torch.dtype = torch.float32, max_batch: int = 8,
-                 prefix_cache_mb: float = 256.0, share_prompts: bool = True) -> None:
+                 prefix_cache_mb: float = 256.0, share_prompts: bool = True,
+                 chat_template: str = "auto") -> None:
         self.policy_name, self.max_batch = policy_name, max_batch
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        # Its own tokenizer: callers may render and parse while the worker thread decodes.
+        self._chat_format = load_chat_format(model_dir, chat_template)
         self.tokenizer.padding_side = "left"
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
         eos = model.generation_config.eos_token_id
@@ -129,14 +114,21 @@ class LocalPolicy:
 
     # -- Policy protocol ---------------------------------------------------------------------
 
-    async def sample(self, messages: Messages, params: SamplingParams, *,
+    @property
+    def chat_format(self) -> ChatFormat:
+        return self._chat_format
+
+    async def sample(self, messages: Messages, params: SamplingParams, *, tools: Tools = None,
                      adapter: AdapterRef | None = None) -> list[Completion]:
-        return (await self.sample_many([messages], params, adapter=adapter))[0]
+        return (await self.sample_many([messages], params, tools=tools, adapter=adapter))[0]
 
     async def sample_many(self, prompts: Sequence[Messages], params: SamplingParams, *,
-                          adapter: AdapterRef | None = None) -> list[list[Completion]]:
-        """`params.n` completions for each prompt, rows of all prompts batched together."""
-        flat = await self._run(self._sample_sync, list(prompts), params, self._name(adapter))
+                          tools: Tools = None, adapter: AdapterRef | None = None
+                          ) -> list[list[Completion]]:
+        """`params.n` completions for each prompt (all offered `tools`), rows of all prompts
+        batched together."""
+        flat = await self._run(self._sample_sync, list(prompts), params, self._name(adapter),
+                               tools)
         return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
     async def ensure_adapter(self, adapter: AdapterRef) -> None:
@@ -155,12 +147,12 @@ class LocalPolicy:
 
     # -- extras for tests, the trainer and benchmarks ------------------------------------------
 
-    def prompt_ids(self, messages: Messages, prefill: str = "") -> list[int]:
-        """Token ids of the chat prompt (generation prompt added) followed by `prefill`.
-
-        Not while a sample runs: the fast tokenizer must not be used from two threads at once.
-        """
-        return chat_prompt_ids(self.tokenizer, messages, prefill)
+    def prompt_ids(self, messages: Messages, tools: Tools = None, prefill: str = "") -> list[int]:
+        """Token ids of the chat prompt, generation prompt added (`chat_format.render`), and
+        `prefill` after it (encoded with the prompt as one text, as vLLM does)."""
+        if not prefill:
+            return self._chat_format.render(messages, tools)
+        return self._chat_format.encode(self._chat_format.render_text(messages, tools) + prefill)
 
     async def logprobs(self, prompt_ids: Sequence[int], completion_ids: Sequence[int],
                        temperature: float, *, adapter: AdapterRef | None = None) -> list[float]:
@@ -230,8 +222,9 @@ class LocalPolicy:
             self.model = self.model.unload()
 
     def _sample_sync(self, prompts: list[Messages], params: SamplingParams,
-                     name: str | None) -> list[Completion]:
-        rows = [ids for m in prompts for ids in [self.prompt_ids(m, params.prefill)] * params.n]
+                     name: str | None, tools: Tools = None) -> list[Completion]:
+        rows = [ids for m in prompts
+                for ids in [self.prompt_ids(m, tools, params.prefill)] * params.n]
         out: list[Completion] = []
         device = next(self.model.parameters()).device
         cuda = [device.index or 0] if device.type == "cuda" else []
@@ -262,7 +255,7 @@ class LocalPolicy:
                 self.model, [p for p, _ in prompts], params, eos_ids=self._eos_ids,
                 pad_id=self._pad_id,
                 stop=(lambda t: watch(cast(torch.LongTensor, t), None))
-                if params.stop or params.stop_at_json_end else None)
+                if params.stop else None)
         batch_ms = (time.monotonic() - started) * 1000
         return [self._completion(rows[i], new[i].tolist(), lps[i].tolist(), watch.stopped_at.get(i),
                                  params, name, batch_ms, len(rows), cached=prompts[i][1])
@@ -285,7 +278,7 @@ class LocalPolicy:
             return_dict_in_generate=True, output_logits=True)
         watch = _StopWatch(self._decode, width, params)
         # Decoding every row at every step costs little, but nothing at all when unneeded.
-        criteria = [watch] if params.stop or params.stop_at_json_end else []
+        criteria = [watch] if params.stop else []
         started = time.monotonic()
         result = cast(Any, self.model).generate(
             input_ids=input_ids, attention_mask=mask, generation_config=config,

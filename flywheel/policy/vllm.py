@@ -15,22 +15,25 @@ serves the adapter and returns token ids and sampling log-probs exactly as vLLM 
 token included when the model ended its turn (in the tokens, not the text). Sampling never
 loads an adapter by itself.
 
-`stop_at_json_end` is emulated: vLLM has no such stop condition, so generation runs with the
-usual stop list and the client cuts each completion where `prefill + text` closes its outermost
-JSON object. Text is cut at that character; tokens and log-probs are cut after the fewest
-tokens whose decoding (vLLM `/detokenize`, binary search) already closes the object, so the
-training tokens are exactly a prefix of what was sampled.
+The request carries the task's `tools`, so vLLM renders the prompt with them through its chat
+template — which must be the policy's (`--chat-template $(flywheel policy chat-template)`) —
+and `prompt_token_ids` are what vLLM rendered. `tool_choice: "none"` makes vLLM return the raw
+text (the tools are still rendered into the prompt): the reply is parsed here by the policy's
+`chat_format`, exactly as the local engine's is. The first answer of each replica is checked
+against `chat_format.render`: a replica started with another template is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
+import threading
 import time
-from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
@@ -43,13 +46,14 @@ from tenacity import (
 )
 
 from flywheel.policy.base import (
+    AdapterNotServed,
     AdapterRef,
     Completion,
     PolicyError,
     SamplingParams,
-    json_object_end,
     served_name,
 )
+from flywheel.policy.chat_format import ChatFormat, openai_tools
 from flywheel.policy.vllm_errors import (
     AdapterLoadError,
     ReplicaUnavailable,
@@ -61,11 +65,15 @@ from flywheel.policy.vllm_errors import (
     unavailable,
 )
 
-__all__ = ["AdapterLoadError", "ReplicaUnavailable", "VLLMError", "VLLMPolicy", "is_retryable",
-           "json_object_end", "served_versions"]
+__all__ = ["AdapterLoadError", "NoChatFormat", "ReplicaUnavailable", "VLLMError", "VLLMPolicy",
+           "is_retryable", "served_versions"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _TOKEN_ID = "token_id:"
+
+
+class NoChatFormat(PolicyError, AttributeError):
+    """Built without a chat format (an AttributeError too: such an engine is no `Policy`)."""
 
 
 class _AdapterGone(PolicyError):
@@ -104,7 +112,8 @@ class VLLMPolicy:
                  pinned: set[str] | None = None,
                  transport: httpx.AsyncBaseTransport | None = None, api_key: str | None = None,
                  backoff_s: float = 0.5, cooldown_s: float = 30.0, verify_attempts: int = 5,
-                 verify_delay_s: float = 0.5) -> None:
+                 verify_delay_s: float = 0.5,
+                 chat_format: ChatFormat | Callable[[], ChatFormat] | None = None) -> None:
         if not base_urls:
             raise ValueError("VLLMPolicy needs at least one replica URL")
         if retention < 1:
@@ -112,6 +121,7 @@ class VLLMPolicy:
         self.model, self.policy_name, self.retention = model, policy_name, retention
         self._replicas = [_Replica(url.rstrip("/")) for url in base_urls]
         self._pinned: set[str] = set(pinned or ())
+        self._production: str | None = None
         self._max_retries, self._backoff_s, self._cooldown_s = max_retries, backoff_s, cooldown_s
         self._verify_attempts, self._verify_delay_s = verify_attempts, verify_delay_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -122,6 +132,21 @@ class VLLMPolicy:
         """Every adapter name this instance placed → its directory; kept after retiring, so
         a version name never comes back with other weights."""
         self._retired: set[str] = set()
+        self._format = chat_format
+        self._format_lock = threading.Lock()
+        self._rendering_checked: set[str] = set()
+        """Replicas whose prompt ids were seen to equal `chat_format.render`."""
+
+    @property
+    def chat_format(self) -> ChatFormat:
+        """The policy's format; loaded (the tokenizer of `rollout.model_dir`) on first use."""
+        if self._format is None:
+            raise NoChatFormat("this VLLMPolicy has no chat format to parse replies with; pass "
+                               "chat_format= (make_policy does, from rollout.model_dir)")
+        with self._format_lock:
+            if not isinstance(self._format, ChatFormat):
+                self._format = self._format()
+            return self._format
 
     # -- pins ---------------------------------------------------------------------------------
     @property
@@ -134,6 +159,20 @@ class VLLMPolicy:
 
     def unpin(self, name: str) -> None:
         self._pinned.discard(name)
+
+    def pin_production(self, name: str | None) -> None:
+        """Pin what production serves now (None: the base model), unpinning what it served
+        before. Every process's engine shares the replicas, and retention in any of them
+        (a rollout worker placing its newest version) would otherwise unload production
+        under the serving endpoint: each service pins it from the database
+        (`AdapterResolver.protect_production`) before it places anything."""
+        if name == self._production:
+            return
+        if self._production is not None:
+            self._pinned.discard(self._production)
+        self._production = name
+        if name is not None:
+            self._pinned.add(name)
 
     def replicas_serving(self, name: str) -> list[str]:
         """The replicas `name` was placed and verified on (where sampling may go)."""
@@ -280,35 +319,60 @@ class VLLMPolicy:
             r.adapters[adapter.name] = str(adapter.path)
         serving = [r for r in self._replicas if adapter.name in r.adapters]
         if not serving:
-            state = "was retired" if adapter.name in self._retired else \
-                "is not loaded on any replica"
-            raise PolicyError(f"{adapter.name} {state}; call ensure_adapter first (sampling "
-                              "never loads an adapter by itself)")
+            if adapter.name in self._retired:
+                raise PolicyError(f"{adapter.name} was retired; call ensure_adapter first "
+                                  "(sampling never loads an adapter by itself)")
+            raise AdapterNotServed(f"{adapter.name} is not loaded on any replica; call "
+                                   "ensure_adapter first (sampling never loads an adapter by "
+                                   "itself)")
         return serving
 
     # -- sampling ------------------------------------------------------------------------------
-    async def sample(self, messages: Sequence[dict[str, Any]], params: SamplingParams, *,
+    async def sample(self, messages: Sequence[Mapping[str, Any]], params: SamplingParams, *,
+                     tools: Sequence[Mapping[str, Any]] | None = None,
                      adapter: AdapterRef | None = None) -> list[Completion]:
         if params.n < 1:
             raise PolicyError(f"SamplingParams.n must be >= 1, got {params.n}")
         model = adapter.name if adapter else self.model
         candidates = await self._serving(adapter) if adapter else self._replicas
-        body = _chat_body(messages, params, model)
+        body = chat_body(messages, params, model, tools)
         started = time.monotonic()
         data, r = await self._post_chat(body, candidates, adapter)
         latency_ms = (time.monotonic() - started) * 1000
         prompt_ids = data.get("prompt_token_ids")  # vLLM >= 0.10.2 with return_token_ids
         if prompt_ids is None:
             tok = await self._call_retrying(r, "POST", "/tokenize", {
-                k: body[k] for k in ("model", "messages", "add_generation_prompt",
+                k: body[k] for k in ("model", "messages", "tools", "add_generation_prompt",
                                      "continue_final_message") if k in body})
             prompt_ids = tok["tokens"]
-        out = [_completion(c, list(prompt_ids), adapter.name if adapter else None, latency_ms,
-                           r.url) for c in sorted(data["choices"], key=lambda c: c["index"])]
-        if params.stop_at_json_end:
-            out = await asyncio.gather(*(self._cut_at_json_end(r, c, params.prefill, model)
-                                         for c in out))
-        return list(out)
+        await self._check_rendering(r, messages, tools, list(prompt_ids), params.prefill)
+        return [_completion(c, list(prompt_ids), adapter.name if adapter else None, latency_ms,
+                            r.url) for c in sorted(data["choices"], key=lambda c: c["index"])]
+
+    async def _check_rendering(self, r: _Replica, messages: Sequence[Mapping[str, Any]],
+                               tools: Sequence[Mapping[str, Any]] | None,
+                               prompt_ids: list[int], prefill: str = "") -> None:
+        """Once per replica: vLLM rendered the prompt exactly as the policy's format does
+        (else SFT demonstrations would be trained under another prompt than rollouts)."""
+        if r.url in self._rendering_checked or self._format is None:
+            return
+        # A thread: the first call loads the tokenizer.
+        fmt = self.chat_format
+        mine = await asyncio.to_thread(
+            lambda: fmt.encode(fmt.render_text(messages, tools) + prefill))
+        if mine != prompt_ids:
+            at = next((i for i, (a, b) in enumerate(zip(mine, prompt_ids, strict=False))
+                       if a != b), min(len(mine), len(prompt_ids)))
+            what = (f"{r.url} renders prompts differently from the policy's chat format "
+                    f"{fmt.version} (first difference at token {at} of {len(prompt_ids)})")
+            if fmt.path is not None:  # our template normalises tools: a wrong --chat-template
+                raise PolicyError(f"{what}: start vLLM with --chat-template {fmt.path} "
+                                  "(`flywheel policy chat-template` prints it)")
+            # The model's own template: vLLM serialises tool dicts its own way (nulls,
+            # extra keys), which a template dumping them whole shows; SFT sees the difference.
+            log.warning("%s; rollouts keep vLLM's prompt ids, SFT demonstrations are "
+                        "rendered locally", what)
+        self._rendering_checked.add(r.url)
 
     async def _post_chat(self, body: dict[str, Any], candidates: list[_Replica],
                          adapter: AdapterRef | None) -> tuple[dict[str, Any], _Replica]:
@@ -318,8 +382,8 @@ class VLLMPolicy:
                 with attempt:
                     pool = [r for r in candidates if adapter is None or adapter.name in r.adapters]
                     if not pool:
-                        raise PolicyError(f"no replica serves {body['model']} any more; call "
-                                          "ensure_adapter again")
+                        raise AdapterNotServed(f"no replica serves {body['model']} any more; "
+                                               "call ensure_adapter again")
                     r = self._pick(pool, avoid=tried)
                     tried.add(r)
                     try:
@@ -329,35 +393,13 @@ class VLLMPolicy:
                             r.adapters.pop(adapter.name, None)
                             raise _AdapterGone(f"{r.url} lost {adapter.name}: {e.message}") from e
                         raise
-        except (httpx.TransportError, _AdapterGone) as e:
+        except _AdapterGone as e:
+            raise AdapterNotServed(f"sampling {body['model']} failed on every replica tried "
+                                   f"({len(tried)}): {e!r}") from e
+        except httpx.TransportError as e:
             raise PolicyError(f"sampling {body['model']} failed on every replica tried "
                               f"({len(tried)}): {e!r}") from e
         raise AssertionError("unreachable: tenacity re-raises the last error")
-
-    async def _cut_at_json_end(self, r: _Replica, c: Completion, prefill: str,
-                               model: str) -> Completion:
-        end = json_object_end(prefill + c.text)
-        if end is None or end - len(prefill) >= len(c.text):
-            return c  # never closed, or closed exactly at the end: nothing to cut
-        cut = max(0, end - len(prefill))
-
-        async def closes(k: int) -> bool:
-            if k == 0:
-                return json_object_end(prefill) is not None
-            data = await self._call_retrying(r, "POST", "/detokenize",
-                                             {"model": model, "tokens": c.token_ids[:k]})
-            return json_object_end(prefill + data["prompt"]) is not None
-
-        lo, hi = 0, len(c.token_ids)
-        while lo < hi:  # fewest tokens whose decoding already closes the object
-            mid = (lo + hi) // 2
-            if await closes(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        return replace(c, text=c.text[:cut], token_ids=c.token_ids[:lo],
-                       logprobs=c.logprobs[:lo], finish_reason="stop",
-                       extra={**c.extra, "cut_at_json_end": len(c.token_ids) - lo})
 
     # -- transport -----------------------------------------------------------------------------
     def _retrying(self, retryable: Any = _replica_retryable,
@@ -429,19 +471,46 @@ class VLLMPolicy:
         await self._client.aclose()
 
 
-def _chat_body(messages: Sequence[dict[str, Any]], p: SamplingParams, model: str) -> dict[str, Any]:
+def api_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the Chat Completions API takes them: tool-call `arguments` as JSON
+    strings, tool results as text, no Flywheel-only keys (`parse_error`)."""
+    out = []
+    for message in messages:
+        m = {k: v for k, v in message.items() if k != "parse_error"}
+        if m.get("tool_calls"):
+            m["tool_calls"] = [_string_arguments(tc) for tc in m["tool_calls"]]
+        if m.get("role") == "tool" and not isinstance(m.get("content"), str):
+            m["content"] = json.dumps(m.get("content"), ensure_ascii=False)
+        out.append(m)
+    return out
+
+
+def _string_arguments(call: Mapping[str, Any]) -> dict[str, Any]:
+    fn = call.get("function")
+    if not isinstance(fn, Mapping) or isinstance(fn.get("arguments"), str):
+        return dict(call)
+    return {**call, "function": {**fn, "arguments": json.dumps(fn.get("arguments") or {},
+                                                               ensure_ascii=False)}}
+
+
+def chat_body(messages: Sequence[Mapping[str, Any]], p: SamplingParams, model: str,
+              tools: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "model": model, "messages": list(messages), "n": p.n, "max_tokens": p.max_tokens,
-        "temperature": p.temperature, "top_p": p.top_p, "logprobs": True,
-        "return_tokens_as_token_ids": True, "return_token_ids": True,
+        "model": model, "messages": api_messages(messages), "n": p.n,
+        "max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
+        "logprobs": True, "return_tokens_as_token_ids": True, "return_token_ids": True,
         # SamplingParams keeps stop strings in the text; vLLM drops them by default.
         "include_stop_str_in_output": True,
     }
+    if tools:
+        # Rendered into the prompt all the same; "none" keeps vLLM's own tool parser (and
+        # guided decoding) out of it, so the raw text comes back for `chat_format.parse`.
+        body["tools"], body["tool_choice"] = openai_tools(tools), "none"
     if p.seed is not None:
         body["seed"] = p.seed  # vLLM gives sample i of the group seed + i
     if p.stop:
         body["stop"] = list(p.stop)
-    if p.prefill:
+    if p.prefill:  # serving's tool_choice prefill: vLLM continues the assistant turn
         body["messages"].append({"role": "assistant", "content": p.prefill})
         body["continue_final_message"], body["add_generation_prompt"] = True, False
     return body

@@ -109,15 +109,11 @@ def server_env(cfg: ServerConfig) -> dict[str, str]:
 def chat_template_for(settings: Settings, model_dir: Path) -> Path | None:
     """The `--chat-template` file: the one the policy's chat format renders with
     (`rollout.chat_template`, `flywheel.policy.chat_format`), so vLLM's prompt ids are the
-    rollouts' and SFT's; None = the model's own. Until the chat-format module is part of
-    this installation, every engine renders with the model's own template."""
-    try:
-        from flywheel.policy.chat_format import load_chat_format
-    except ImportError:
-        return None
-    setting = getattr(settings.rollout, "chat_template", "auto")
-    path: Path | None = load_chat_format(model_dir, setting).path
-    return path
+    rollouts', the gate's and SFT's; None = the model's own template renders tools and is the
+    format. Loads the tokenizer of `model_dir`."""
+    from flywheel.policy.chat_format import load_chat_format
+
+    return load_chat_format(model_dir, settings.rollout.chat_template).path
 
 
 def default_python() -> Path:

@@ -1,13 +1,22 @@
 """The agent loop: sample a group of G attempts at a task and score each with its verifier.
 
-Single-step environments (tool_call, code) sample the whole group in one batched call.
-Multi-step environments (workplace) run G episodes — model → tool call → environment → … —
-each under its own deadline, so one straggler cannot hold the group: it is recorded as not
-run (`timeout`) and excluded, never scored 0. With an engine that batches several prompts
-(`sample_many`, the in-process CPU engine) the live episodes advance in lockstep, one
-batched generate per turn, because separate calls would only queue on the same model;
-environment steps still run per episode under their own deadlines. Other engines (vLLM
-batches concurrent requests itself) run the episodes independently.
+A task is put to the policy as its messages and tools, rendered by the policy's chat format,
+with no prefill and no stop rule but the end-of-turn token — exactly what serving does — and
+each reply is parsed by the same format into an OpenAI assistant message.
+
+Single-step environments (tool_call, code) sample the whole group in one batched call; the
+verifier gets the parsed message (tool_call) or the reply's text (code, judge).
+Multi-step environments (workplace) run G episodes — the model's `tool_calls` are executed by
+the environment and their results appended as `tool` messages (`tool_call_id`), the next turn
+rendered by the same format; a reply without tool calls (a final answer, or one that could not
+be parsed) ends the episode, as it ends an agent's turn in production. Each turn records the
+exact prompt ids it was sampled after. Each episode runs under its own deadline, so one
+straggler cannot hold the group: it is recorded as not run (`timeout`) and excluded, never
+scored 0. With an engine that batches several prompts (`sample_many`, the in-process CPU
+engine) the live episodes advance in lockstep, one batched generate per turn, because separate
+calls would only queue on the same model; environment steps still run per episode under their
+own deadlines. Other engines (vLLM batches concurrent requests itself) run the episodes
+independently.
 """
 
 from __future__ import annotations
@@ -20,9 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from flywheel.environments.base import Environment
-from flywheel.environments.prompt import InvalidCall, Prompt, build_prompt, parse_tool_call
+from flywheel.environments.prompt import task_messages, task_tools
 from flywheel.events import ScoredRollout, Turn
 from flywheel.policy.base import AdapterRef, Completion, Policy, PolicyError, SamplingParams
+from flywheel.policy.chat_format import ChatFormat
 from flywheel.tasks import RolloutNotRun, TaskSpec, VerifierResult
 
 
@@ -77,65 +87,85 @@ async def _verify(env: Environment, task: TaskSpec, output: Any,
         return RolloutNotRun("timeout", f"verifier did not finish in {timeout:.0f}s")
 
 
-async def _single_step(policy: Policy, task: TaskSpec, env: Environment, prompt: Prompt,
+@dataclass(frozen=True)
+class _Prompt:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+
+
+def _params(cfg: GroupConfig, n: int, seed: int) -> SamplingParams:
+    return SamplingParams(n=n, max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=seed)
+
+
+def _output(env: Environment, fmt: ChatFormat, c: Completion) -> Any:
+    return fmt.parse(c.text) if env.reads == "message" else c.text
+
+
+async def _single_step(policy: Policy, task: TaskSpec, env: Environment, prompt: _Prompt,
                        cfg: GroupConfig, adapter: AdapterRef | None, seed: int
                        ) -> list[ScoredRollout]:
     started = time.perf_counter()
-    params = SamplingParams(n=cfg.group_size, max_tokens=cfg.max_tokens,
-                            temperature=cfg.temperature, seed=seed, stop=prompt.stop,
-                            prefill=prompt.prefill, stop_at_json_end=prompt.stop_at_json_end)
     try:
         completions = await asyncio.wait_for(
-            policy.sample(prompt.messages, params, adapter=adapter), cfg.rollout_timeout_s)
+            policy.sample(prompt.messages, _params(cfg, cfg.group_size, seed),
+                          tools=prompt.tools, adapter=adapter), cfg.rollout_timeout_s)
     except TimeoutError:
         failed = RolloutNotRun("timeout", f"sampling exceeded {cfg.rollout_timeout_s:.0f}s")
         return [_scored(i, failed, [], started) for i in range(cfg.group_size)]
     except PolicyError as err:
         failed = RolloutNotRun("crash", str(err))
         return [_scored(i, failed, [], started) for i in range(cfg.group_size)]
+    fmt = policy.chat_format
     results = await asyncio.gather(*(
-        _verify(env, task, prompt.prefill + c.text, cfg.rollout_timeout_s)
-        for c in completions))
+        _verify(env, task, _output(env, fmt, c), cfg.rollout_timeout_s) for c in completions))
     return [_scored(i, r, [_turn(c)], started)
             for i, (c, r) in enumerate(zip(completions, results, strict=True))]
 
 
-async def _episode(policy: Policy, task: TaskSpec, env: Environment, prompt: Prompt,
+def _arguments(call: dict[str, Any]) -> dict[str, Any]:
+    """A parsed call's arguments (the format guarantees a JSON object string)."""
+    args = json.loads(call["function"]["arguments"])
+    assert isinstance(args, dict)
+    return args
+
+
+async def _run_calls(env: Environment, session: str, reply: dict[str, Any],
+                     timeout: float) -> list[dict[str, Any]]:
+    """Execute the reply's calls in order; their results as `tool` messages."""
+    results = []
+    for call in reply["tool_calls"]:
+        observation = await asyncio.wait_for(asyncio.to_thread(
+            env.step, session, call["function"]["name"], _arguments(call)), max(timeout, 0.001))
+        results.append({"role": "tool", "tool_call_id": call["id"], "content": observation})
+    return results
+
+
+def _reply(fmt: ChatFormat, c: Completion, step: int) -> dict[str, Any] | None:
+    """The parsed reply when it calls tools (the episode goes on), else None (it ends)."""
+    reply = fmt.parse(c.text, id_prefix=f"call_{step}_")
+    return reply if reply["tool_calls"] else None
+
+
+async def _episode(policy: Policy, task: TaskSpec, env: Environment, prompt: _Prompt,
                    cfg: GroupConfig, adapter: AdapterRef | None, seed: int, index: int,
                    session_id: str, turns: list[Turn]) -> VerifierResult | RolloutNotRun:
     env.reset(session_id, task.verifier)
     try:
         messages = list(prompt.messages)
         for step in range(cfg.max_steps):
-            params = SamplingParams(n=1, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-                                    seed=seed + 1000 * index + step, prefill=prompt.prefill,
-                                    stop_at_json_end=prompt.stop_at_json_end)
             try:
-                (c,) = await policy.sample(messages, params, adapter=adapter)
+                (c,) = await policy.sample(messages, _params(cfg, 1, seed + 1000 * index + step),
+                                           tools=prompt.tools, adapter=adapter)
             except PolicyError as err:
                 return RolloutNotRun("crash", str(err))
             turns.append(_turn(c))
-            text = prompt.prefill + c.text
-            if _is_final(text):
+            reply = _reply(policy.chat_format, c, step)
+            if reply is None:
                 break
-            try:
-                name, args, _ = parse_tool_call(text)
-                observation = await asyncio.to_thread(env.step, session_id, name, args)
-            except InvalidCall as err:
-                observation = f"error: {err}"
-            messages += [{"role": "assistant", "content": text},
-                         {"role": "user", "content": f"Result: {observation}"}]
+            messages += [reply, *await _run_calls(env, session_id, reply, cfg.rollout_timeout_s)]
         return await _verify(env, task, env.session_output(session_id), cfg.rollout_timeout_s)
     finally:
         env.close(session_id)
-
-
-def _is_final(text: str) -> bool:
-    try:
-        obj, _ = json.JSONDecoder().raw_decode(text.strip())
-    except json.JSONDecodeError:
-        return False
-    return isinstance(obj, dict) and "final" in obj and "tool" not in obj
 
 
 class _Episode:
@@ -147,22 +177,17 @@ class _Episode:
         self.started = time.perf_counter()
 
 
-async def _act(env: Environment, ep: _Episode, text: str, timeout: float) -> None:
-    """Apply the episode's tool call; a step that overruns the deadline ends the episode."""
+async def _act(env: Environment, ep: _Episode, reply: dict[str, Any], timeout: float) -> None:
+    """Run the episode's tool calls; a step that overruns the deadline ends the episode."""
     try:
-        name, args, _ = parse_tool_call(text)
-        observation = await asyncio.wait_for(
-            asyncio.to_thread(env.step, ep.session, name, args), max(timeout, 0.001))
-    except InvalidCall as err:
-        observation = f"error: {err}"
+        results = await _run_calls(env, ep.session, reply, timeout)
     except TimeoutError:
         ep.result = RolloutNotRun("timeout", "environment step exceeded the rollout deadline")
         return
-    ep.messages += [{"role": "assistant", "content": text},
-                    {"role": "user", "content": f"Result: {observation}"}]
+    ep.messages += [reply, *results]
 
 
-async def _lockstep(policy: Any, task: TaskSpec, env: Environment, prompt: Prompt,
+async def _lockstep(policy: Any, task: TaskSpec, env: Environment, prompt: _Prompt,
                     cfg: GroupConfig, adapter: AdapterRef | None, seed: int, group_key: str
                     ) -> list[ScoredRollout]:
     loop = asyncio.get_running_loop()
@@ -176,12 +201,10 @@ async def _lockstep(policy: Any, task: TaskSpec, env: Environment, prompt: Promp
             live = [e for e in eps if e.result is None and not e.finished]
             if not live:
                 break
-            params = SamplingParams(n=1, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-                                    seed=seed + step, prefill=prompt.prefill,
-                                    stop_at_json_end=prompt.stop_at_json_end)
             try:
                 batches = await asyncio.wait_for(
-                    policy.sample_many([e.messages for e in live], params, adapter=adapter),
+                    policy.sample_many([e.messages for e in live], _params(cfg, 1, seed + step),
+                                       tools=prompt.tools, adapter=adapter),
                     max(deadline - loop.time(), 0.001))
             except TimeoutError:
                 for e in live:
@@ -194,11 +217,11 @@ async def _lockstep(policy: Any, task: TaskSpec, env: Environment, prompt: Promp
             acting = []
             for e, (c,) in zip(live, batches, strict=True):
                 e.turns.append(_turn(c))
-                text = prompt.prefill + c.text
-                if _is_final(text):
+                reply = _reply(policy.chat_format, c, step)
+                if reply is None:
                     e.finished = True
                 else:
-                    acting.append(_act(env, e, text, deadline - loop.time()))
+                    acting.append(_act(env, e, reply, deadline - loop.time()))
             await asyncio.gather(*acting)
         for e in eps:
             if e.result is None:
@@ -211,7 +234,7 @@ async def _lockstep(policy: Any, task: TaskSpec, env: Environment, prompt: Promp
             for e in eps]
 
 
-async def _multi_step(policy: Policy, task: TaskSpec, env: Environment, prompt: Prompt,
+async def _multi_step(policy: Policy, task: TaskSpec, env: Environment, prompt: _Prompt,
                       cfg: GroupConfig, adapter: AdapterRef | None, seed: int, group_key: str
                       ) -> list[ScoredRollout]:
     if callable(getattr(policy, "sample_many", None)):
@@ -234,8 +257,8 @@ async def _multi_step(policy: Policy, task: TaskSpec, env: Environment, prompt: 
 async def run_group(policy: Policy, task: TaskSpec, env: Environment, cfg: GroupConfig, *,
                     adapter: AdapterRef | None, seed: int, group_key: str) -> GroupOutcome:
     started = time.perf_counter()
-    prompt = build_prompt(task)
-    if prompt.multi_step:
+    prompt = _Prompt(task_messages(task), task_tools(task))
+    if env.multi_step:
         rollouts = await _multi_step(policy, task, env, prompt, cfg, adapter, seed, group_key)
     else:
         rollouts = await _single_step(policy, task, env, prompt, cfg, adapter, seed)

@@ -65,6 +65,7 @@ async def handle_request(req: RolloutRequestedPayload, *, engine: AsyncEngine, p
         log.info("admission: waited %.0fs for the trainer to drain the backlog", waited)
     adapter = await adapters(req.adapter_version)
     if adapter is not None:
+        await adapters.protect_production(policy)
         await policy.ensure_adapter(adapter)
     cfg = group_config(settings)
     seed = zlib.crc32(group_id.bytes)

@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from flywheel.events import GroupScoredPayload
 from flywheel.mining.demos import Demonstration
+from flywheel.policy.chat_format import ChatFormat, load_chat_format
 from flywheel.policy.logprobs import token_logprobs
 from flywheel.trainer.grpo import GRPOConfig, group_advantages, grpo_loss, pad_batch
 from flywheel.trainer.prefix import (
@@ -37,7 +38,7 @@ from flywheel.trainer.prefix import (
     shared_prefix_len,
 )
 from flywheel.trainer.ranks import Ranks, rank_device
-from flywheel.trainer.sft import encode_demonstration, end_of_turn_ids, sft_step
+from flywheel.trainer.sft import encode_demonstration, sft_step
 
 STATE_FILE = "trainer_state.pt"
 
@@ -109,7 +110,8 @@ _Pair = tuple[EncodedPrompt, EncodedPrompt | None]
 class LoRATrainer:
     def __init__(self, model_dir: Path, *, lora: LoRASpec, grpo: GRPOConfig, lr: float,
                  grad_clip: float = 1.0, micro_batch: int = 4,
-                 resume_from: Path | None = None, device: str = "auto") -> None:
+                 resume_from: Path | None = None, device: str = "auto",
+                 chat_template: str = "auto") -> None:
         # One GPU when there is one (`auto`); the LoRA parameters and the loss stay fp32.
         self.device = rank_device(device, 0)
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -130,7 +132,8 @@ class LoRATrainer:
         """Set under torchrun (`flywheel.trainer.distributed`): steps run this rank's share
         of each batch and sum the gradients of all ranks."""
         self.model_dir = model_dir
-        self._tokenizer: Any = None
+        self.chat_template = chat_template
+        self._chat_format: ChatFormat | None = None
         if resume_from is not None and (resume_from / STATE_FILE).exists():
             state = torch.load(resume_from / STATE_FILE, weights_only=True,
                                map_location=self.device)
@@ -272,6 +275,14 @@ class LoRATrainer:
             add(logp, ref, old, mask, chunk)
         backward_prompt(policy)
 
+    @property
+    def chat_format(self) -> ChatFormat:
+        """The policy's chat format; only SFT needs it (text → ids), GRPO trains on sampled
+        ids. Loaded on first use."""
+        if self._chat_format is None:
+            self._chat_format = load_chat_format(self.model_dir, self.chat_template)
+        return self._chat_format
+
     def sft_step(self, demos: Sequence[Demonstration], *,
                  lr: float | None = None) -> dict[str, float]:
         """One optimizer step of completion-only cross-entropy on `demos`.
@@ -279,13 +290,7 @@ class LoRATrainer:
         `lr` overrides the optimizer's learning rate for this step only (a warm start usually
         wants a larger one than GRPO).
         """
-        if self._tokenizer is None:  # only SFT needs text → ids; GRPO trains on sampled ids
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir,
-                                                            local_files_only=True)
-        end = end_of_turn_ids(self._tokenizer)
-        examples = [encode_demonstration(self._tokenizer, d, end) for d in demos]
+        examples = [encode_demonstration(self.chat_format, d) for d in demos]
         saved = [g["lr"] for g in self.optimizer.param_groups]
         if lr is not None:
             for g in self.optimizer.param_groups:

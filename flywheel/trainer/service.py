@@ -160,7 +160,8 @@ class TrainerService:
             LoRATrainer, self.model_dir, lora=LoRASpec(r=t.lora_r, alpha=t.lora_alpha),
             grpo=grpo_config(self.settings), lr=t.lr, grad_clip=t.grad_clip,
             micro_batch=t.micro_batch, resume_from=resume,
-            device=t.device if self.ranks is None else str(self.ranks.device))
+            device=t.device if self.ranks is None else str(self.ranks.device),
+            chat_template=self.settings.rollout.chat_template)
         if self.ranks is not None:
             from flywheel.trainer.distributed import Leader
 

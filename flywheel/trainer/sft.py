@@ -1,10 +1,12 @@
 """Supervised warm start: demonstrations as token ids with a completion-only loss, and one
 optimizer step of cross-entropy on them.
 
-The prompt ids are the very ids the policy samples after (`chat_prompt_ids`: chat template,
-generation prompt, prefill), so SFT teaches the distribution GRPO later samples from. Only
-the completion and the end-of-turn token carry loss (the latter so the model learns to stop);
-instructions, tool list and prefill are context, never targets.
+The prompt ids are the very ids the policy samples after (`ChatFormat.render` of the task's
+messages and tools: the rollout prompt of the same task), and the target is the right reply
+as the chat template renders it (`ChatFormat.encode_reply`: content, `<tool_call>` blocks and
+the end-of-turn token, so the model learns to stop), so SFT teaches the distribution GRPO
+later samples from and serving parses. Instructions, tool list and request are context,
+never targets.
 
 Import this module lazily: it imports torch and transformers.
 """
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from flywheel.mining.demos import Demonstration
-from flywheel.policy.local import chat_prompt_ids
+from flywheel.policy.chat_format import ChatFormat
 from flywheel.trainer.prefix import (
     backward_prompt,
     completion_scores,
@@ -49,19 +51,10 @@ class SFTExample:
         return sum(label != IGNORE for label in self.labels)
 
 
-def end_of_turn_ids(tokenizer: Any) -> list[int]:
-    """What ends an assistant turn. Instruct tokenizers name it as their EOS (`<|im_end|>`
-    for SmolLM2), and it is what the policy stops sampling at."""
-    eos = tokenizer.eos_token_id
-    return [] if eos is None else [int(eos)]
-
-
-def encode_demonstration(tokenizer: Any, demo: Demonstration,
-                         end_ids: Sequence[int]) -> SFTExample:
-    prompt = chat_prompt_ids(tokenizer, demo.messages, demo.prefill)
-    # Tokenized on its own, as sampling produces it: the prefill's tokens are fixed in the
-    # prompt and can never merge with the completion's first characters.
-    completion = [*tokenizer(demo.completion, add_special_tokens=False)["input_ids"], *end_ids]
+def encode_demonstration(fmt: ChatFormat, demo: Demonstration) -> SFTExample:
+    prompt = fmt.render(demo.messages, demo.tools)
+    # Tokenized on its own, as sampling produces it after the prompt's ids.
+    completion = fmt.encode_reply(demo.messages, demo.reply, demo.tools)
     return SFTExample([*prompt, *completion], [IGNORE] * len(prompt) + completion)
 
 
