@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from flywheel.bench.learning import fixed_tasks
-from flywheel.environments.prompt import build_prompt
+from flywheel.environments.prompt import task_messages, task_tools
 from flywheel.policy import model_cache
 from flywheel.policy.base import AdapterRef, Completion, SamplingParams
 
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 SHORT = [{"role": "user", "content": "Say hi"}]
 LONG = [{"role": "system", "content": "You are a terse poet."},
         {"role": "user", "content": "Write a long poem about the sea, the wind and the stars."}]
-TOOLS = [build_prompt(t) for t in fixed_tasks(2)]  # real tool_call prompts: same start
+TOOLS = [(task_messages(t), task_tools(t)) for t in fixed_tasks(2)]  # real tool_call tasks
 ROUNDING = 1e-4
 
 
@@ -97,20 +97,16 @@ PARAMS = [
 async def test_a_group_is_bit_for_bit_the_full_prompt_path(
         reference: local.LocalPolicy, shared: local.LocalPolicy, params: SamplingParams) -> None:
     shared.prefix_cache.clear()
-    tool = TOOLS[0]
-    tool_params = SamplingParams(n=params.n, max_tokens=params.max_tokens,
-                                 temperature=params.temperature, top_p=params.top_p,
-                                 seed=params.seed, prefill=tool.prefill,
-                                 stop_at_json_end=tool.stop_at_json_end)
-    for messages, p in ((LONG, params), (tool.messages, tool_params)):
-        expected = await reference.sample(messages, p)
-        cold = await shared.sample(messages, p)
-        warm = await shared.sample(messages, p)  # the prefix cache holds this very prompt
+    for messages, tools in ((LONG, None), TOOLS[0]):
+        expected = await reference.sample(messages, params, tools=tools)
+        cold = await shared.sample(messages, params, tools=tools)
+        # The prefix cache holds this very prompt.
+        warm = await shared.sample(messages, params, tools=tools)
 
         same(expected, cold)
         same(expected, warm)
-        assert cached(cold) == [0] * p.n
-        assert cached(warm) == [len(shared.prompt_ids(messages, p.prefill))] * p.n
+        assert cached(cold) == [0] * params.n
+        assert cached(warm) == [len(shared.prompt_ids(messages, tools))] * params.n
     assert len({tuple(c.token_ids) for c in cold}) == (1 if params.temperature == 0 else 8)
 
 
@@ -133,33 +129,33 @@ async def test_groups_batched_together_and_split_across_batches(
         monkeypatch.setattr(engine, "max_batch", 4)
     shared.prefix_cache.clear()
     params = SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=5)
-    expected = await reference.sample_many([SHORT, LONG, TOOLS[0].messages], params)
-    got = await shared.sample_many([SHORT, LONG, TOOLS[0].messages], params)
+    expected = await reference.sample_many([SHORT, LONG, TOOLS[0][0]], params)
+    got = await shared.sample_many([SHORT, LONG, TOOLS[0][0]], params)
     assert close([c for g in expected for c in g], [c for g in got for c in g]) < ROUNDING
 
 
 async def test_the_shared_start_of_prompts_is_reused_across_calls(
         reference: local.LocalPolicy, shared: local.LocalPolicy) -> None:
     shared.prefix_cache.clear()
-    first, second = (shared.prompt_ids(t.messages, t.prefill) for t in TOOLS)
+    first, second = (shared.prompt_ids(m, t) for m, t in TOOLS)
     start = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
     assert start > 100  # instructions and tool list: the tasks differ only in the request
-    params = SamplingParams(n=4, max_tokens=16, temperature=1.0, seed=2, prefill=TOOLS[1].prefill,
-                            stop_at_json_end=True)
+    params = SamplingParams(n=4, max_tokens=16, temperature=1.0, seed=2)
+    messages, tools = TOOLS[1]
 
-    await shared.sample(TOOLS[0].messages, params)  # warms the cache with the first task
-    got = await shared.sample(TOOLS[1].messages, params)
+    await shared.sample(TOOLS[0][0], params, tools=TOOLS[0][1])  # warms the cache
+    got = await shared.sample(messages, params, tools=tools)
     assert cached(got) == [start] * 4
-    assert close(await reference.sample(TOOLS[1].messages, params), got) < ROUNDING
+    assert close(await reference.sample(messages, params, tools=tools), got) < ROUNDING
 
     # A later turn of an episode continues the whole earlier conversation.
-    turn2 = [*TOOLS[1].messages, {"role": "assistant", "content": TOOLS[1].prefill + got[0].text},
+    turn2 = [*messages, {"role": "assistant", "content": got[0].text},
              {"role": "user", "content": "Result: sunny, 21 C"}]
-    later = await shared.sample(turn2, params)
-    # All of the earlier prompt but perhaps its prefill, whose last token can merge with the
-    # text after it when the longer conversation is tokenized.
-    assert cached(later)[0] >= len(shared.prompt_ids(TOOLS[1].messages))
-    assert close(await reference.sample(turn2, params), later) < ROUNDING
+    later = await shared.sample(turn2, params, tools=tools)
+    # All of the earlier prompt but perhaps its last token, which can merge with the reply
+    # after it when the longer conversation is tokenized.
+    assert cached(later)[0] >= len(shared.prompt_ids(messages, tools)) - 1
+    assert close(await reference.sample(turn2, params, tools=tools), later) < ROUNDING
     assert shared.prefix_cache.nbytes <= shared.prefix_cache.capacity
 
 
