@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flywheel.formats import chat_to_items
-from flywheel.schemas import Item, OutcomeStatus
+from flywheel.schemas import Item, OutcomeStatus, keep_unknown_fields
 
 # Namespace of content-derived feedback ids (uuid5), fixed forever: re-sent feedback without
 # a `feedback_id` gets the same id and is applied once.
@@ -128,14 +128,5 @@ def parse_feedback(record: Any, *, trajectory_id: uuid.UUID | None = None,
         data["rating"] = _rating(data["rating"])
     if data.get("correction") is not None:
         data["correction"] = _correction(data["correction"])
-    unknown = {k: data.pop(k) for k in list(data) if k not in _FEEDBACK_KNOWN}
-    if unknown:
-        meta = data.get("metadata")
-        meta = dict(meta) if isinstance(meta, dict) else {}
-        kept = meta.get("unknown_fields", {})
-        if not isinstance(kept, dict):
-            raise ValueError("metadata.unknown_fields must be an object: it is where unknown "
-                             "fields are kept; rename that metadata field")
-        meta["unknown_fields"] = {**kept, **unknown}
-        data["metadata"] = meta
+    keep_unknown_fields(data, _FEEDBACK_KNOWN)
     return Feedback.model_validate(data)

@@ -246,17 +246,24 @@ def normalize(record: dict[str, Any], context: ParseContext | None = None) -> di
     request_id = data.pop("request_id", None)
     if request_id is not None:
         _with_metadata(data, request_id=request_id)
-    unknown = {k: data.pop(k) for k in list(data) if k not in _KNOWN}
-    if unknown:
-        meta = data.get("metadata")
-        meta = dict(meta) if isinstance(meta, dict) else {}
-        kept = meta.get("unknown_fields", {})
-        if not isinstance(kept, dict):
-            raise ValueError("metadata.unknown_fields must be an object: it is where unknown "
-                             "top-level fields are kept; rename that metadata field")
-        meta["unknown_fields"] = {**kept, **unknown}
-        data["metadata"] = meta
+    keep_unknown_fields(data, _KNOWN)
     return data
+
+
+def keep_unknown_fields(data: dict[str, Any], known: frozenset[str] | set[str]) -> None:
+    """Move the top-level fields outside `known` into `metadata.unknown_fields` (kept, not
+    dropped: a newer producer's field survives an older reader)."""
+    unknown = {k: data.pop(k) for k in list(data) if k not in known}
+    if not unknown:
+        return
+    meta = data.get("metadata")
+    meta = dict(meta) if isinstance(meta, dict) else {}
+    kept = meta.get("unknown_fields", {})
+    if not isinstance(kept, dict):
+        raise ValueError("metadata.unknown_fields must be an object: it is where unknown "
+                         "top-level fields are kept; rename that metadata field")
+    meta["unknown_fields"] = {**kept, **unknown}
+    data["metadata"] = meta
 
 
 def parse_trajectory(record: Any, context: ParseContext | None = None) -> Trajectory:

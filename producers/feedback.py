@@ -20,7 +20,7 @@ from flywheel.config import Settings
 from flywheel.feedback import Feedback
 from flywheel.ingest.feedback import check_feedback, validate_feedback
 from flywheel.runtime.endpoints import resolve_bootstrap
-from producers.sdk import FlywheelClient
+from producers.sdk import FlywheelClient, checked_json
 
 
 def serialize_feedback(feedback: Feedback | dict[str, Any]) -> tuple[Feedback, bytes]:
@@ -34,12 +34,7 @@ def serialize_feedback(feedback: Feedback | dict[str, Any]) -> tuple[Feedback, b
         if isinstance(result, tuple):
             raise ValueError(f"invalid feedback: {result[1]}")
         fb, problem = result, None
-    if problem is not None:
-        raise ValueError(f"invalid feedback: {problem}")
-    try:
-        return fb, fb.model_dump_json(exclude_none=True).encode()
-    except Exception as exc:  # e.g. a Python object in metadata with no JSON form
-        raise ValueError(f"invalid feedback: it cannot be serialized ({exc})") from exc
+    return fb, checked_json(fb, problem, "feedback")
 
 
 class FeedbackClient:

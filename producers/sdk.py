@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from aiokafka import AIOKafkaProducer
 from aiokafka import errors as kafka_errors
+from pydantic import BaseModel
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_fixed
 
 from flywheel.config import Settings
@@ -75,12 +76,18 @@ def serialize(trajectory: Trajectory | dict[str, Any], *, agent: str | None = No
         if isinstance(result, tuple):
             raise ValueError(f"invalid trajectory: {result[1]}")
         traj, problem = result, None
+    return traj, checked_json(traj, problem, "trajectory")
+
+
+def checked_json(record: BaseModel, problem: str | None, what: str) -> bytes:
+    """The bytes to publish of a validated `record`, or `ValueError("invalid <what>: …")`
+    for the `problem` the reader's boundary found, or for a value with no JSON form."""
     if problem is not None:
-        raise ValueError(f"invalid trajectory: {problem}")
+        raise ValueError(f"invalid {what}: {problem}")
     try:
-        return traj, traj.model_dump_json(exclude_none=True).encode()
+        return record.model_dump_json(exclude_none=True).encode()
     except Exception as exc:  # e.g. a Python object in metadata with no JSON form
-        raise ValueError(f"invalid trajectory: it cannot be serialized ({exc})") from exc
+        raise ValueError(f"invalid {what}: it cannot be serialized ({exc})") from exc
 
 
 class FlywheelClient:

@@ -16,34 +16,6 @@ from tests.test_runtime_heal import N, Publisher, Stack, records, stack_env, sto
 pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow]
 
 
-class CountingPublisher(Publisher):
-    """Also records the gateway's refusals while intake is closed."""
-
-    refused: int = 0
-
-    async def gateway(self, deadline_s: float = 300) -> None:
-        part = self.batch[N // 2:]
-        stop = time.monotonic() + deadline_s
-        async with httpx.AsyncClient(base_url=self.stack.run()["api_url"], timeout=20,
-                                     headers={"Authorization": f"Bearer {self.stack.token}"}
-                                     ) as http:
-            for i in range(0, len(part), 50):
-                chunk = part[i:i + 50]
-                while time.monotonic() < stop:
-                    try:
-                        r = await http.post("/v1/trajectories", json=chunk)
-                        if r.status_code == 202:
-                            self.gateway_acked.append(
-                                (time.monotonic(), [c["trajectory_id"] for c in chunk]))
-                            break
-                        assert r.status_code == 503 and r.headers["Retry-After"], r.text
-                        self.refused += 1
-                    except httpx.TransportError:
-                        pass  # stopped: retry until it is back
-                    await asyncio.sleep(0.3)
-                await asyncio.sleep(0.15)
-
-
 async def test_down_while_publishing_then_up_loses_nothing_acknowledged(
         services_dir: Path) -> None:
     home = services_dir / f"drain-{uuid.uuid4().hex[:6]}"
@@ -52,7 +24,7 @@ async def test_down_while_publishing_then_up_loses_nothing_acknowledged(
     assert up.returncode == 0, up.stderr
     batch = records(3)
     try:
-        async with CountingPublisher(stack, batch) as pub:
+        async with Publisher(stack, batch, gateway_deadline_s=300) as pub:
             assert pub.client is not None
             publishing = asyncio.ensure_future(pub.run())
             await asyncio.sleep(2.5)
@@ -93,7 +65,7 @@ async def test_the_broker_is_drained_and_recycled_past_its_memory_cap(
     try:
         first = stack.run()["broker_pid"]
         batch = records(4)
-        async with CountingPublisher(stack, batch) as pub:
+        async with Publisher(stack, batch, gateway_deadline_s=300) as pub:
             assert pub.client is not None
             await pub.run()
             await pub.client.flush(timeout=120)

@@ -115,6 +115,9 @@ class Publisher:
     sdk_sent: list[tuple[float, int]] = field(default_factory=list)
     """(time.monotonic(), records the SDK had seen acknowledged), sampled every 20 ms."""
     client: FlywheelClient | None = None
+    gateway_deadline_s: float = 240
+    refused: int = 0
+    """Gateway requests answered 503 (intake closed, or the broker down)."""
 
     async def __aenter__(self) -> Publisher:
         run = self.stack.run()
@@ -139,9 +142,9 @@ class Publisher:
             if i % 50 == 49:
                 await asyncio.sleep(0.1)
 
-    async def gateway(self, deadline_s: float = 240) -> None:
+    async def gateway(self) -> None:
         part = self.batch[N // 2:]
-        stop = time.monotonic() + deadline_s
+        stop = time.monotonic() + self.gateway_deadline_s
         async with httpx.AsyncClient(base_url=self.stack.run()["api_url"], timeout=20,
                                      headers={"Authorization": f"Bearer {self.stack.token}"}
                                      ) as http:
@@ -155,6 +158,7 @@ class Publisher:
                                 (time.monotonic(), [c["trajectory_id"] for c in chunk]))
                             break
                         assert r.status_code == 503 and r.headers.get("Retry-After"), r.text
+                        self.refused += 1
                     except httpx.TransportError:
                         pass  # the API is down (stack restarting): retry
                     await asyncio.sleep(0.3)

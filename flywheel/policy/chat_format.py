@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,11 +77,22 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
     """Messages as chat templates expect them, the way vLLM hands them over: tool-call
     `arguments` as objects (OpenAI sends JSON strings), tool results as strings, no
     `parse_error` (it is ours, not the conversation's)."""
+    return _conversation(messages, _object_arguments)
+
+
+def api_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the Chat Completions API takes them: tool-call `arguments` as JSON
+    strings, tool results as text, no Flywheel-only keys (`parse_error`)."""
+    return _conversation(messages, _string_arguments)
+
+
+def _conversation(messages: Sequence[Mapping[str, Any]],
+                  call: Callable[[Mapping[str, Any]], dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for message in messages:
         m = {k: v for k, v in message.items() if k != "parse_error"}
         if m.get("tool_calls"):
-            m["tool_calls"] = [_object_arguments(tc) for tc in m["tool_calls"]]
+            m["tool_calls"] = [call(tc) for tc in m["tool_calls"]]
         if m.get("role") == "tool" and not isinstance(m.get("content"), str):
             m["content"] = json.dumps(m.get("content"), ensure_ascii=False)
         out.append(m)
@@ -97,6 +108,14 @@ def _object_arguments(call: Mapping[str, Any]) -> dict[str, Any]:
     except json.JSONDecodeError:
         return dict(call)  # rendered as sent; the template writes a string verbatim
     return {**call, "function": {**fn, "arguments": args}}
+
+
+def _string_arguments(call: Mapping[str, Any]) -> dict[str, Any]:
+    fn = call.get("function")
+    if not isinstance(fn, Mapping) or isinstance(fn.get("arguments"), str):
+        return dict(call)
+    return {**call, "function": {**fn, "arguments": json.dumps(fn.get("arguments") or {},
+                                                               ensure_ascii=False)}}
 
 
 class ChatFormat:

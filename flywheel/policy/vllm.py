@@ -26,7 +26,6 @@ against `chat_format.render`: a replica started with another template is refused
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import re
@@ -53,7 +52,7 @@ from flywheel.policy.base import (
     SamplingParams,
     served_name,
 )
-from flywheel.policy.chat_format import ChatFormat, openai_tools
+from flywheel.policy.chat_format import ChatFormat, api_messages, openai_tools
 from flywheel.policy.vllm_errors import (
     AdapterLoadError,
     ReplicaUnavailable,
@@ -469,28 +468,6 @@ class VLLMPolicy:
 
     async def close(self) -> None:
         await self._client.aclose()
-
-
-def api_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as the Chat Completions API takes them: tool-call `arguments` as JSON
-    strings, tool results as text, no Flywheel-only keys (`parse_error`)."""
-    out = []
-    for message in messages:
-        m = {k: v for k, v in message.items() if k != "parse_error"}
-        if m.get("tool_calls"):
-            m["tool_calls"] = [_string_arguments(tc) for tc in m["tool_calls"]]
-        if m.get("role") == "tool" and not isinstance(m.get("content"), str):
-            m["content"] = json.dumps(m.get("content"), ensure_ascii=False)
-        out.append(m)
-    return out
-
-
-def _string_arguments(call: Mapping[str, Any]) -> dict[str, Any]:
-    fn = call.get("function")
-    if not isinstance(fn, Mapping) or isinstance(fn.get("arguments"), str):
-        return dict(call)
-    return {**call, "function": {**fn, "arguments": json.dumps(fn.get("arguments") or {},
-                                                               ensure_ascii=False)}}
 
 
 def chat_body(messages: Sequence[Mapping[str, Any]], p: SamplingParams, model: str,
