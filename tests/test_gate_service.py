@@ -31,7 +31,14 @@ RATES = {None: 0.1, 1: 0.6, 2: 0.6}
 base model, v2 the same as v1."""
 
 
+class FakeFormat:
+    version = "fake-format.v1"
+    """Part of every round's cache key, as the policy's chat format version is."""
+
+
 class FakePolicy:
+    chat_format = FakeFormat()
+
     async def ensure_adapter(self, adapter: AdapterRef) -> None:
         pass
 
@@ -96,7 +103,8 @@ async def test_rounds_stop_when_clear_and_production_is_sampled_once_per_index(
     monkeypatch.setattr(gate_service, "evaluate", sampler)
     monkeypatch.setattr(gate_service, "probe_latency", _probe)
     gate = gate_service.GateService(s, engine, FakePolicy())  # type: ignore[arg-type]
-    gate.adapters = lambda v: _ref(v)  # type: ignore[assignment,method-assign]
+    # Versions resolve without artifacts (the resolver's protect_production stays real).
+    monkeypatch.setattr(type(gate.adapters), "__call__", lambda self, v: _ref(v))
 
     await _train(engine, s, 1)
     events = await gate.evaluate_version(1)
