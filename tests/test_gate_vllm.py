@@ -10,8 +10,10 @@ are not better than the base model): this is about the machinery.
 
 from __future__ import annotations
 
+import json
 import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -20,6 +22,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flywheel.adapters import lifecycle
 from flywheel.adapters.local import AdapterStore
+from flywheel.api.chat_request import parse_request
+from flywheel.api.completions import complete
 from flywheel.api.serving import ServingSync
 from flywheel.config import DbSettings, Settings
 from flywheel.db.outbox import append_events
@@ -64,6 +68,11 @@ def listed(url: str) -> dict[str, str]:
     return {card["id"]: card["root"] for card in data["data"]}
 
 
+async def chat(serving: ServingSync, body: dict[str, Any]) -> dict[str, Any]:
+    """`POST /v1/chat/completions` without the HTTP layer."""
+    return await complete(serving, parse_request(json.dumps(body).encode()))
+
+
 async def test_the_gate_promotes_through_vllm_and_serving_follows_on_every_replica(
         vllm_server: RealVLLM, vllm_adapters: dict[str, Path], db_url: str,
         engine: AsyncEngine, tmp_path: Path) -> None:
@@ -97,20 +106,20 @@ async def test_the_gate_promotes_through_vllm_and_serving_follows_on_every_repli
         assert await serving.sync_once()
         for url in urls:
             assert f"{POLICY}@v1" in listed(url)
-        assert (await serving.chat(request))["model"] == f"{POLICY}@v1"
+        assert (await chat(serving, request))["model"] == f"{POLICY}@v1"
         (promoted,) = [e for e in await GateService(settings, engine, policy)
                        .evaluate_version(2) if e.type == "AdapterPromoted"]
         assert await serving.sync_once()
         for url in urls:
             assert listed(url)[f"{POLICY}@v2"].endswith(f"{POLICY}/v2")
-        answer = await serving.chat(request)
+        answer = await chat(serving, request)
         assert answer["model"] == f"{POLICY}@v2" and answer["usage"]["completion_tokens"] > 0
         async with engine.begin() as conn:
             back = await lifecycle.rollback(conn, POLICY, to=None, actor="bob",
                                             reason="regressed", topics=settings.topics)
         assert back.payload.to_version == 1
         assert await serving.sync_once()
-        assert (await serving.chat(request))["model"] == f"{POLICY}@v1"
+        assert (await chat(serving, request))["model"] == f"{POLICY}@v1"
         async with engine.connect() as conn:
             state = (await conn.execute(text(
                 "SELECT version, replicas FROM serving_state WHERE policy = :p"),
