@@ -468,12 +468,15 @@ def bench_trainer(
 @app.command()
 def demo(keep: Annotated[bool, typer.Option(help="Leave the stack running afterwards.")] = False,
          minutes: Annotated[float, typer.Option(help="Time budget of the whole demo.")] = 20.0,
+         seed: Annotated[int | None, typer.Option(
+             help="Seed of the simulated traffic (tasks, holdout split); default: a new one "
+                  "each run, printed.")] = None,
          ) -> None:
     """The whole loop on the embedded default: trajectories → tasks → baseline → SFT/GRPO →
     gate → promotion decisions; writes .flywheel/demo-summary.json."""
     from flywheel.demo.run import run_demo
 
-    raise typer.Exit(run_demo(_settings(), keep=keep, minutes=minutes))
+    raise typer.Exit(run_demo(_settings(), keep=keep, minutes=minutes, seed=seed))
 
 
 def main() -> None:

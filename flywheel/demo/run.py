@@ -208,7 +208,10 @@ async def _watch(settings: Settings, deadline: float) -> Any:
         await engine.dispose()
 
 
-def run_demo(settings: Settings, *, keep: bool = False, minutes: float = 20.0) -> int:
+def run_demo(settings: Settings, *, keep: bool = False, minutes: float = 20.0,
+             seed: int | None = None) -> int:
+    """`seed` draws the simulated agents' traffic (and so the tasks and the holdout split);
+    None = a new one each run, printed so that a run can be repeated."""
     from flywheel.demo.watch import summary
     from flywheel.runtime.control import detach, down
 
@@ -223,7 +226,9 @@ def run_demo(settings: Settings, *, keep: bool = False, minutes: float = 20.0) -
     console.print(f"stack ready in {stages['stack_up']:.1f}s — api {run['api_url']}"
                   + (f", dashboard {run['dashboard_url']}" if run.get("dashboard_url") else ""))
     mark = time.monotonic()
-    rng = random.Random(int(time.time()))
+    seed = int(time.time()) if seed is None else seed
+    console.print(f"traffic seed {seed} (`flywheel demo --seed {seed}` repeats this data)")
+    rng = random.Random(seed)
     asyncio.run(_publish(settings, run, rng))
     with console.status("waiting until every trajectory is stored or dead-lettered and "
                         "every failure is mined…"):
@@ -246,7 +251,7 @@ def run_demo(settings: Settings, *, keep: bool = False, minutes: float = 20.0) -
     mark = time.monotonic()
     progress, marks = asyncio.run(_watch(settings, deadline))
     stages.update(_loop_stages(marks))
-    result = summary(progress, stages, time.monotonic() - t0)
+    result = {**summary(progress, stages, time.monotonic() - t0), "seed": seed}
     (top / "demo-summary.json").write_text(json.dumps(result, indent=2, default=str))
     _show_summary(result)
     ok = ok and bool(result["decisions"])
