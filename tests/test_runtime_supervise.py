@@ -9,6 +9,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from flywheel.runtime.drain import DrainReport, progress_line
 from flywheel.runtime.heal import postgres_reason
@@ -164,3 +167,69 @@ def test_postgres_reason_keeps_the_lines_that_say_why() -> None:
     assert postgres_reason(failure) == (
         "postgres did not start on port 5433: LOG: could not bind IPv4 address "
         "\"127.0.0.1\": Address already in use; FATAL: could not create any TCP/IP sockets")
+
+
+class _Broker:
+    def __init__(self) -> None:
+        self.starts = 0
+
+    def alive(self) -> bool:
+        return True
+
+    def stop(self) -> None:
+        pass
+
+    def start(self) -> None:
+        self.starts += 1
+
+
+class _Consumer:
+    def __init__(self, name: str) -> None:
+        self.name, self.held, self.started = name, True, 0
+
+    def start(self, env: dict[str, str], now: float) -> None:
+        self.held, self.started = False, self.started + 1
+
+
+def test_a_failed_recovery_on_a_new_broker_is_retried_without_replacing_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A freshly started broker may answer UNKNOWN_SERVER_ERROR while its topics are made
+    (tansu did, in CI): the recovery is retried on later ticks against the same broker, and
+    the consumers start once it succeeded."""
+    import threading
+    import types
+
+    from aiokafka.errors import UnknownError
+
+    from flywheel.runtime import heal
+    from flywheel.runtime.supervise import Backoff
+
+    failures = [UnknownError(), UnknownError()]
+    recovered: list[dict[str, Any]] = []
+
+    def recover_lost(stack: Any, lost: dict[str, Any]) -> None:
+        if failures:
+            raise failures.pop(0)
+        recovered.append(lost)
+
+    monkeypatch.setattr(heal, "recover_lost", recover_lost)
+    monkeypatch.setattr(heal, "_hold_consumers", lambda stack: None)
+    ingest = _Consumer("ingest")
+    stack = types.SimpleNamespace(
+        broker=_Broker(), broker_backoff=Backoff(), broker_state={"broker_pid": 1,
+                                                                   "started_at": 5.0},
+        _lock=threading.Lock(), home=tmp_path, services=[ingest], env={},
+        pending_recovery=None, recovery_retry_at=0.0, recovery_attempts=0, broker_error=None)
+
+    heal.replace_broker(stack, 100.0, drained=False)  # type: ignore[arg-type]
+    assert stack.pending_recovery is not None and ingest.started == 0
+    assert "UnknownError" in stack.broker_error
+    heal._broker(stack, stack.recovery_retry_at - 0.1)  # type: ignore[arg-type]
+    assert len(failures) == 1  # not due yet: not retried
+    heal._broker(stack, stack.recovery_retry_at)  # type: ignore[arg-type]
+    assert len(failures) == 0 and stack.pending_recovery is not None
+    heal._broker(stack, stack.recovery_retry_at)  # type: ignore[arg-type]
+    assert stack.pending_recovery is None and stack.broker_error is None
+    assert recovered == [{"broker_pid": 1, "started_at": 5.0, "drained": False}]
+    assert stack.broker.starts == 1  # the same broker throughout
+    assert ingest.started == 1 and not ingest.held

@@ -168,7 +168,11 @@ def postgres_reason(failure: str) -> str:
 
 def _broker(stack: Stack, now: float) -> None:
     broker = stack.broker
-    if broker is None or broker.alive():
+    if broker is None:
+        return
+    if broker.alive():
+        if stack.pending_recovery is not None and now >= stack.recovery_retry_at:
+            _finish_recovery(stack, stack.pending_recovery, now)
         return
     b = stack.broker_backoff
     if b.died_at is None:
@@ -206,7 +210,6 @@ def replace_broker(stack: Stack, now: float, *, drained: bool) -> None:
     b.restarting(now)
     try:
         broker.start()
-        recover_lost(stack, lost)
     except (RuntimeError, OSError) as err:
         stack.broker_error = mask_text(str(err))[-600:]
         log.error("the broker did not start (retrying in %.0fs): %s", b.delay(),
@@ -217,13 +220,33 @@ def replace_broker(stack: Stack, now: float, *, drained: bool) -> None:
         b.died_at = None
         b.died(time.monotonic())
         return
-    stack.broker_error = None
+    _finish_recovery(stack, lost, time.monotonic())
+
+
+def _finish_recovery(stack: Stack, lost: dict[str, Any], now: float) -> None:
+    """Topics, republishing and the consumers on a broker that runs. A failure (a fresh
+    broker answering UNKNOWN_SERVER_ERROR for a moment, Postgres away) is retried on a
+    later tick against the same broker: it holds nothing yet, so replacing it again would
+    gain nothing, and the consumers stay held until it is done."""
+    try:
+        recover_lost(stack, lost)
+    except Exception as err:  # every failure here is retried; none may end supervision
+        stack.recovery_attempts += 1
+        delay = min(30.0, 0.5 * 2 ** stack.recovery_attempts)
+        stack.broker_error = mask_text(f"recovery after the broker restart: {err!r}")[-600:]
+        log.warning("%s (retrying in %.0fs)", stack.broker_error, delay)
+        with stack._lock:
+            stack.broker_state = {**lost}  # still what was lost
+            recovery.save_state(stack.home, stack.broker_state)
+        stack.pending_recovery, stack.recovery_retry_at = lost, now + delay
+        return
+    stack.pending_recovery, stack.broker_error, stack.recovery_attempts = None, None, 0
     started = time.monotonic()
     for svc in stack.services:
         if svc.name in KAFKA_CONSUMERS:
             svc.start(stack.env, started)
     log.warning("broker restarted (restart %d); topics recreated, consumers restarted",
-                b.restarts)
+                stack.broker_backoff.restarts)
 
 
 def components(stack: Stack) -> dict[str, dict[str, Any]]:

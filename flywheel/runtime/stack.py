@@ -80,6 +80,10 @@ class Stack:
         self.postgres: LocalPostgres | None = None
         self.broker_backoff, self.pg_backoff = Backoff(cap), Backoff(cap)
         self.broker_error: str | None = None
+        self.pending_recovery: dict[str, Any] | None = None
+        """What a replaced broker's predecessor held, while republishing it has not
+        succeeded yet (the new broker runs; `heal` retries the recovery, not the broker)."""
+        self.recovery_retry_at, self.recovery_attempts = 0.0, 0
         self.pg_error: str | None = None
         self.services = [Service(n, [], self.logs / f"{n}.log", Backoff(cap))
                          for n in SERVICES]
