@@ -119,9 +119,9 @@ DEMO_ENV = {
     # A short warm start (8 steps × 8 demonstrations): it teaches the tool-call format and
     # leaves GRPO something to learn. Measured under the chat format (docs/BENCHMARKS.md,
     # one run each): 20 steps took SFT to 86.7% and GRPO then added +1.1 points (rejected:
-    # futility); 8 steps took SFT to 68.2% and GRPO's v4 to 78.8% (+12.1 on the same pairs,
-    # promoted after 3 rounds, MDE 0.085). Groups of a nearly perfect policy are all
-    # successes: zero advantage, nothing for GRPO to learn from.
+    # futility); 8 steps took SFT to 68.2% / 83.3% and GRPO's v4 to 78.8% / 88.9% (+12.1 /
+    # +8.7 on the same pairs, promoted after 3 rounds, MDE 0.085 / 0.064). Groups of a
+    # nearly perfect policy are all successes: zero advantage, nothing for GRPO to learn.
     "FLYWHEEL_TRAINER__SFT_STEPS": "8",
     # Rollouts sample a fresh snapshot every 2 steps; a GRPO version goes to the gate once
     # 24 groups (6 steps) were trained since the last candidate and none is waiting.
