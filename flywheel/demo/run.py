@@ -117,8 +117,8 @@ DEMO_ENV = {
     "FLYWHEEL_GATE__SAMPLES_PER_TASK": "32",
     "FLYWHEEL_GATE__ROUND_SAMPLES": "2",
     # A short warm start (8 steps × 8 demonstrations): it teaches the tool-call format and
-    # leaves GRPO something to learn. Measured under the chat format (docs/BENCHMARKS.md,
-    # one run each): 20 steps took SFT to 86.7% and GRPO then added +1.1 points (rejected:
+    # leaves GRPO something to learn. Measured under the chat format (docs/BENCHMARKS.md):
+    # 20 steps took SFT to 86.7% and GRPO then added +1.1 points (rejected:
     # futility); 8 steps took SFT to 68.2% / 83.3% and GRPO's v4 to 78.8% / 88.9% (+12.1 /
     # +8.7 on the same pairs, promoted after 3 rounds, MDE 0.085 / 0.064). Groups of a
     # nearly perfect policy are all successes: zero advantage, nothing for GRPO to learn.
