@@ -23,8 +23,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 from pydantic import ValidationError
@@ -51,6 +52,7 @@ from flywheel.ingest.storable import TOO_DEEP, text_problem, unstorable
 from flywheel.schemas import Trajectory, parse_trajectory
 
 log = logging.getLogger("flywheel.ingest")
+T = TypeVar("T")
 
 Reason = Literal["not_json", "schema", "too_large", "unstorable"]
 """Why a record is dead-lettered. `unstorable` is the last resort: Postgres refused a record
@@ -113,25 +115,34 @@ def validate_record(record: Any, *, plain: bool = False, context: ParseContext |
     `plain`: the value was decoded from a payload `sniff` found plain, so the storability
     check (`unstorable`, a walk over every value) cannot find anything and is skipped.
     `context`: where the record came from, naming the agent of a record that has none."""
-    problem = None if plain else unstorable(record)
-    if problem is not None:
-        return "schema", problem
-    try:
-        t = parse_trajectory(record, context)
-    except ValidationError as err:
-        return "schema", describe_validation_error(err)
-    except ValueError as err:
-        return "schema", str(err)
-    except Exception as err:  # a gap in our validation: refuse the record, say so loudly
-        log.error("dead-lettering a record that validation could not handle (%s); this is a "
-                  "bug in flywheel's validation", describe(err), exc_info=err)
-        return "schema", f"could not be read as a trajectory ({describe(err)})"
+    t = parse_guarded(lambda: parse_trajectory(record, context), record, plain, "a trajectory")
+    if isinstance(t, tuple):
+        return t
     # The record itself was checked; an agent named by the context (a CLI argument, a
     # configured token) was not.
     problem = None if context is None else text_problem(t.agent)
     if problem is not None:
         return "schema", f"agent (from {t.metadata.get('agent_source', 'the record')}) {problem}"
     return t
+
+
+def parse_guarded(parse: Callable[[], T], record: Any, plain: bool, what: str) -> T | Rejection:
+    """`parse()` of a decoded record behind the boundary's guards; never raises. A record
+    that cannot be stored (unless `plain`: nothing to find), a validation error and a gap in
+    our validation (any other exception, logged as the bug it is) are schema rejections."""
+    problem = None if plain else unstorable(record)
+    if problem is not None:
+        return "schema", problem
+    try:
+        return parse()
+    except ValidationError as err:
+        return "schema", describe_validation_error(err)
+    except ValueError as err:
+        return "schema", str(err)
+    except Exception as err:  # a gap in our validation: refuse the record, say so loudly
+        log.error("refusing a record that validation could not read as %s (%s); this is a bug "
+                  "in flywheel's validation", what, describe(err), exc_info=err)
+        return "schema", f"could not be read as {what} ({describe(err)})"
 
 
 def check_trajectory(t: Trajectory) -> str | None:

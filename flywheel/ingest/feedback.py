@@ -14,11 +14,8 @@ import logging
 import uuid
 from typing import Any
 
-from pydantic import ValidationError
-
-from flywheel.errors import describe
 from flywheel.feedback import Feedback, parse_feedback
-from flywheel.ingest.decode import Rejection, describe_validation_error, load_json, sniff
+from flywheel.ingest.decode import Rejection, load_json, parse_guarded, sniff
 from flywheel.ingest.storable import unstorable
 
 log = logging.getLogger("flywheel.ingest")
@@ -31,19 +28,8 @@ def validate_feedback(record: Any, *, plain: bool = False,
 
     `plain`: decoded from a payload `sniff` found plain (nothing to find by the storability
     walk). `trajectory_id`/`request_id`: the target a URL names (`parse_feedback`)."""
-    problem = None if plain else unstorable(record)
-    if problem is not None:
-        return "schema", problem
-    try:
-        return parse_feedback(record, trajectory_id=trajectory_id, request_id=request_id)
-    except ValidationError as err:
-        return "schema", describe_validation_error(err)
-    except ValueError as err:
-        return "schema", str(err)
-    except Exception as err:  # a gap in our validation: refuse the record, say so loudly
-        log.error("refusing a feedback record that validation could not handle (%s); this is "
-                  "a bug in flywheel's validation", describe(err), exc_info=err)
-        return "schema", f"could not be read as feedback ({describe(err)})"
+    return parse_guarded(lambda: parse_feedback(record, trajectory_id=trajectory_id,
+                                                request_id=request_id), record, plain, "feedback")
 
 
 def check_feedback(fb: Feedback) -> str | None:
