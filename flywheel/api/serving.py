@@ -102,9 +102,7 @@ class ServingSync:
             if pin is not None:  # vLLM: no process's retention may unload it (see there)
                 pin(adapter.name if adapter is not None else None)
             if adapter is not None:
-                # Every replica loads and verifies it before the alias moves.
-                await policy.ensure_adapter(adapter)
-                self._placed[adapter.version] = time.monotonic()
+                await self._place(adapter)  # on every replica, verified, before the alias moves
             target = Target(row.version, adapter)
             if row.serving != row.version or row.served_name is None:
                 await self._record(target)
@@ -116,18 +114,21 @@ class ServingSync:
         """Place production again every PLACE_TTL_S: a replica that restarted, or retention
         in a process that had not seen the promotion yet, may have dropped it (vLLM's
         replicas are shared); `ensure_adapter` only lists where nothing was lost."""
-        adapter = target.adapter
-        if adapter is None or time.monotonic() - self._placed.get(
-                adapter.version, -PLACE_TTL_S) < PLACE_TTL_S:
-            return
-        await (await self.loaded_policy()).ensure_adapter(adapter)
-        self._placed[adapter.version] = time.monotonic()
+        if target.adapter is not None:
+            await self._place(target.adapter, ttl_s=PLACE_TTL_S)
 
     async def place_again(self, target: Target) -> None:
         """`target` was found unloaded while answering: place it now (not at the next TTL)."""
         if target.adapter is not None:
-            await (await self.loaded_policy()).ensure_adapter(target.adapter)
-            self._placed[target.adapter.version] = time.monotonic()
+            await self._place(target.adapter)
+
+    async def _place(self, adapter: AdapterRef, ttl_s: float = 0.0) -> None:
+        """`ensure_adapter` on every replica, unless it was done within `ttl_s`: it checks
+        every replica (vLLM: a listing each, under one admin lock), so not on every call."""
+        if time.monotonic() - self._placed.get(adapter.version, -ttl_s) < ttl_s:
+            return
+        await (await self.loaded_policy()).ensure_adapter(adapter)
+        self._placed[adapter.version] = time.monotonic()
 
     async def _record(self, target: Target) -> None:
         async with self.engine.begin() as conn:
@@ -170,12 +171,8 @@ class ServingSync:
         if model.startswith(prefix) and model[len(prefix):].isdigit():
             version = int(model[len(prefix):])
             adapter = await self.adapters(version)
-            # Placing checks every replica (vLLM: a listing each, under one admin lock), so
-            # it runs once per PLACE_TTL_S per version, not on every chat request.
-            if adapter is not None and time.monotonic() - self._placed.get(
-                    version, -PLACE_TTL_S) >= PLACE_TTL_S:
-                await (await self.loaded_policy()).ensure_adapter(adapter)
-                self._placed[version] = time.monotonic()
+            if adapter is not None:
+                await self._place(adapter, ttl_s=PLACE_TTL_S)
             return Target(version, adapter)
         raise LookupError(f"unknown model {model!r}: use 'production', 'base' or "
                           f"'{self.name}@v<N>'")
