@@ -14,7 +14,7 @@ import uvicorn
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flywheel.adapters import lifecycle
-from flywheel.adapters.artifacts import artifact_store
+from flywheel.adapters.factory import artifact_store
 from flywheel.api.app import create_app
 from flywheel.api.operator import operator_lifespan, operator_router
 from flywheel.api.serving_routes import serving_router

@@ -24,8 +24,8 @@ from flywheel.adapters.artifacts import (
     AdapterExists,
     AdapterNotFound,
     CorruptAdapter,
-    artifact_store,
 )
+from flywheel.adapters.factory import artifact_store
 from flywheel.adapters.local import AdapterStore
 from flywheel.adapters.s3 import S3AdapterStore
 from flywheel.config import ArtifactSettings, Settings, settings_env
@@ -216,7 +216,7 @@ def test_a_crash_mid_upload_leaves_no_version_and_the_version_can_be_published(
         "import os, sys\n"
         "from pathlib import Path\n"
         "from flywheel.config import Settings\n"
-        "from flywheel.adapters.artifacts import artifact_store\n"
+        "from flywheel.adapters.factory import artifact_store\n"
         "s = artifact_store(Settings())\n"
         "real, calls = s.bucket.client.upload_file, []\n"
         "def dying(*args):\n"

@@ -1,8 +1,10 @@
-"""What an adapter version is, wherever it is stored: the manifest, the store's errors, the
-`ArtifactStore` interface both backends implement, and checking a directory against its
-manifest. The backends: `store.AdapterStore` (a local directory, the default) and
-`s3store.S3AdapterStore` (an S3-compatible bucket); `artifact_store(settings)` builds the
-configured one. Handles files only: no torch, no boto3.
+"""What an adapter version is, wherever it is stored: the stores' shared vocabulary — the
+manifest, the store's errors, the `ArtifactStore` interface both backends implement, and
+checking a directory against its manifest. The backends, which import this module and are
+never imported by it: `local.AdapterStore` (a local directory, the default) and
+`s3.S3AdapterStore` (an S3-compatible bucket, over `s3bucket.Bucket`);
+`factory.artifact_store(settings)` builds the configured one. Handles files only: no torch,
+no boto3.
 """
 
 from __future__ import annotations
@@ -15,15 +17,12 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any, Literal, Protocol, Self
+from typing import Any, Literal, Protocol, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flywheel.errors import PermanentError
 from flywheel.policy.base import AdapterRef, served_name
-
-if TYPE_CHECKING:
-    from flywheel.config import Settings
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.pt"
@@ -144,17 +143,6 @@ def retain_versions(store: ArtifactStore, policy: str, keep_latest: int,
     published = store.versions(policy)
     keep = set(published[-keep_latest:]) | set(protected)
     return [v for v in published if v not in keep and store.discard(policy, v)]
-
-
-def artifact_store(settings: Settings) -> ArtifactStore:
-    """The configured store: a local directory unless `artifacts.backend` is `s3`."""
-    if settings.artifacts.backend == "s3":
-        from flywheel.adapters.s3 import S3AdapterStore
-
-        return S3AdapterStore.from_settings(settings)
-    from flywheel.adapters.local import AdapterStore
-
-    return AdapterStore((settings.trainer.adapters_dir or settings.home / "adapters").resolve())
 
 
 def new_manifest(policy: str, version: int, *, base_model: str, steps: int,

@@ -39,7 +39,6 @@ from flywheel.adapters.artifacts import (
     CorruptAdapter,
     FileEntry,
     Manifest,
-    artifact_store,
     check_name,
     corrupt_error,
     exists_error,
@@ -55,7 +54,7 @@ from flywheel.policy.base import AdapterRef, served_name
 
 __all__ = ["ADAPTER_CONFIG", "MANIFEST", "TRAINER_STATE", "WEIGHT_FILES", "AdapterExists",
            "AdapterNotFound", "AdapterStore", "AdapterStoreError", "ArtifactStore",
-           "CorruptAdapter", "FileEntry", "Manifest", "artifact_store"]
+           "CorruptAdapter", "FileEntry", "Manifest"]
 
 _VERSION_DIR_RE = re.compile(r"v(0|[1-9][0-9]*)")
 

@@ -8,7 +8,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flywheel.adapters import registry
-from flywheel.adapters.artifacts import artifact_store
+from flywheel.adapters.factory import artifact_store
 from flywheel.config import Settings
 from flywheel.errors import PermanentError
 from flywheel.policy.base import AdapterRef, served_name

@@ -111,7 +111,7 @@ class TrainerService:
                  ranks: Ranks | None = None) -> None:
         """`ranks` (`flywheel.trainer.ranks.Ranks`): this is rank 0 of a torchrun job,
         and every step is shared with the follower ranks."""
-        from flywheel.adapters.artifacts import artifact_store
+        from flywheel.adapters.factory import artifact_store
 
         self.settings, self.engine, self.ranks = settings, engine, ranks
         self.policy = settings.policy
