@@ -125,6 +125,7 @@ def test_a_malformed_span_is_refused_with_its_reason() -> None:
     assert validate_record({OTEL_RECORD: spans}) == ("schema", span_problem(chat))
     assert span_problem({**chat, "trace_id": "00" * 16}) is not None
     body, media = export_response(1, "span x: bad", "application/json")
+    assert media == "application/json"
     assert json.loads(body) == {"partialSuccess": {"rejectedSpans": "1",
                                                    "errorMessage": "span x: bad"}}
     assert export_response(0, "", None)[0] == b""

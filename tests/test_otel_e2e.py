@@ -285,8 +285,8 @@ async def test_late_spans_resends_and_bad_spans(stack: Stack) -> None:
                 "gen_ai.tool.call.result": '{"result": 6}'}
         assert await send(_otlp_json([_span(trace, late, root, tool,
                                             start=1_700_000_000_000_002_000)])) == {}
-        merged = ("SELECT count(*) FROM trajectories WHERE trajectory_id = '%s' AND "
-                  "(record #>> '{metadata,otel,span_count}')::int = 3" % tid)
+        merged = (f"SELECT count(*) FROM trajectories WHERE trajectory_id = '{tid}' AND "
+                  "(record #>> '{metadata,otel,span_count}')::int = 3")
         assert await wait_for(stack.dsn, merged, 1) == 1, "the late span was not merged"
         assert await send(full) == {}  # re-sent: the same trajectory, nothing new
         bad_chat = {**CHAT, "gen_ai.input.messages": "[{not json"}

@@ -4,9 +4,11 @@ Point any OpenTelemetry exporter at the API (`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
 http://flywheel:8000/v1/traces`, `OTEL_EXPORTER_OTLP_HEADERS="Authorization=Bearer <publish
 token>"`): protobuf or JSON, gzip or not. Spans are read by `flywheel.ingest.otlp` and kept
 in `otel_spans`, under the trajectory their conversation or trace makes
-(`flywheel.ingest.otel.trajectory_key`). A trajectory is sent once every trace in it has its
-root span (a trace is complete when its root ends, and the root ends last); a span that
-comes after that re-sends the whole group, which ingest stores in place of the smaller one.
+(`flywheel.ingest.otel.trajectory_key`); spans of a trace that came before any span naming
+its conversation join that conversation when it is named. A trajectory is sent once every
+trace in it has its root span (a trace is complete when its root ends, and the root ends
+last); a span that comes after that re-sends the whole group, which ingest stores in place
+of the smaller one.
 Everything is decided by ingest's boundary (`validate_record`): a span it cannot read is
 published as it came, so ingest dead-letters it with its reason, and the answer is OTLP's
 partial success naming how many spans were refused and why. Re-sending an export is safe:
@@ -49,6 +51,10 @@ _INSERT = text("""INSERT INTO otel_spans (trajectory_id, trace_id, span_id, is_r
 SELECT * FROM unnest(CAST(:ids AS uuid[]), CAST(:traces AS text[]), CAST(:spans AS text[]),
                      CAST(:roots AS boolean[]), CAST(:bodies AS jsonb[]))
 ON CONFLICT DO NOTHING""")
+_MOVE = text("""WITH moved AS (DELETE FROM otel_spans WHERE trajectory_id = :old
+                                AND trace_id = :trace RETURNING *)
+INSERT INTO otel_spans (trajectory_id, trace_id, span_id, is_root, span, received_at)
+SELECT :new, trace_id, span_id, is_root, span, received_at FROM moved ON CONFLICT DO NOTHING""")
 _COMPLETE = text("""SELECT trajectory_id FROM (
     SELECT trajectory_id, trace_id, bool_or(is_root) AS rooted FROM otel_spans
     WHERE trajectory_id = ANY(CAST(:ids AS uuid[])) GROUP BY 1, 2) t
@@ -82,9 +88,16 @@ async def store_spans(engine: AsyncEngine, spans: list[dict[str, Any]]
             conv[s["trace_id"]] = c
     traces = sorted({s["trace_id"] for s in spans})
     async with engine.begin() as conn:
-        known = {t: i for t, i in (await conn.execute(_KNOWN, {"traces": traces})).all()}
+        known: dict[str, set[uuid.UUID]] = defaultdict(set)
+        for t, i in (await conn.execute(_KNOWN, {"traces": traces})).all():
+            known[t].add(i)
         ids = {t: trajectory_id(trajectory_key(conv[t], t)) if t in conv else
-               known.get(t) or trajectory_id(trajectory_key(None, t)) for t in traces}
+               min(known[t], default=None) or trajectory_id(trajectory_key(None, t))
+               for t in traces}
+        for t in conv:  # the trace's conversation is known now: its earlier spans join it
+            old = trajectory_id(trajectory_key(None, t))
+            if old in known[t] and old != ids[t]:
+                await conn.execute(_MOVE, {"new": ids[t], "old": old, "trace": t})
         await conn.execute(_INSERT, {
             "ids": [ids[s["trace_id"]] for s in spans],
             "traces": [s["trace_id"] for s in spans], "spans": [s["span_id"] for s in spans],
