@@ -15,9 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -33,6 +38,7 @@ from flywheel.config import (
     RolloutSettings,
     Settings,
     TokenGrant,
+    settings_env,
 )
 from flywheel.ingest.otel import trajectory_id, trajectory_key
 from flywheel.runtime.broker import LocalBroker, free_port
@@ -318,3 +324,54 @@ async def test_late_spans_resends_and_bad_spans(stack: Stack) -> None:
     await wait_for(stack.dsn, "SELECT count(*) FROM outbox WHERE published_at IS NULL", 0)
     after = await _counts(stack)
     assert after["trajectories"] - before["trajectories"] == 1
+
+
+FORMATS = Path(__file__).resolve().parents[1] / "docs" / "FORMATS.md"
+
+
+def _formats_example() -> str:
+    text = FORMATS.read_text()
+    block = re.search(r"<!-- otel-example -->\n```python\n(.*?)^```", text, re.S | re.M)
+    assert block is not None, "docs/FORMATS.md lost its OpenTelemetry example"
+    return block.group(1)
+
+
+async def test_the_formats_md_example_runs(stack: Stack, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", stack.api + "/v1/traces")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", f"Authorization=Bearer {TOKEN}")
+    await asyncio.to_thread(exec, compile(_formats_example(), str(FORMATS), "exec"), {})
+    tid = trajectory_id(trajectory_key("conv-42", ""))
+    assert await wait_for(stack.dsn, f"SELECT count(*) FROM trajectories WHERE "
+                                     f"trajectory_id = '{tid}'", 1) == 1
+    row = await _row(stack.dsn, tid)
+    record = json.loads(row["record"])
+    assert (row["agent"], row["status"], record["session_id"]) == (
+        "support-bot", "awaiting_outcome", "conv-42")
+    assert [(i["type"], i.get("name")) for i in record["items"]] == [
+        ("message", None), ("function_call", "orders.refund"), ("function_call_output", None)]
+    assert record["usage"] == {"input_tokens": 42, "output_tokens": 9}
+    assert record["model"] == "gpt-4o-mini" and record["tools"][0]["name"] == "orders.refund"
+
+
+async def test_flywheel_publish_reads_an_otlp_json_file(stack: Stack, tmp_path: Path) -> None:
+    from tests.test_ingest_otel import as_otlp_json, export
+
+    convs = [f"conv-file-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    lines = [as_otlp_json(export("genai", c)).decode() for c in convs]
+    bad = _otlp_json([_span(uuid.uuid4().hex, "f6" * 8, None,
+                            {**CHAT, "gen_ai.output.messages": "{"})])
+    path = tmp_path / "traces.jsonl"
+    path.write_text("\n".join([*lines, json.dumps(bad)]) + "\n")
+    done = subprocess.run([sys.executable, "-m", "flywheel.cli.main", "publish", str(path),
+                           "--format", "otlp-json", "--json", "--agent", "file-bot"],
+                          env={**os.environ, **settings_env(stack.settings)},
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1, done.stderr  # the bad span is reported, the rest published
+    report = json.loads(done.stdout)
+    assert (report["published"], report["invalid"]) == (2, 1)
+    assert "span f6f6f6f6f6f6f6f6: gen_ai.output.messages is not valid JSON" in \
+        report["errors"][0]["error"]
+    ids = "','".join(str(trajectory_id(trajectory_key(c, ""))) for c in convs)
+    assert await wait_for(stack.dsn, f"SELECT count(*) FROM trajectories WHERE trajectory_id "
+                                     f"IN ('{ids}') AND agent = 'calc-agent'", 2) == 2

@@ -67,6 +67,21 @@ def trajectory_id(key: str) -> uuid.UUID:
     return uuid.uuid5(OTEL_NAMESPACE, key)
 
 
+def group_spans(spans: list[dict[str, Any]]) -> tuple[list[list[dict[str, Any]]], list[Any]]:
+    """(one span list per trajectory, the spans that cannot be read) for spans that are all
+    there (a file): a trace joins the conversation any of its spans names."""
+    good = [s for s in spans if span_problem(s) is None]
+    conv: dict[str, str] = {}
+    for s in good:
+        c = conversation_of(s)
+        if c:
+            conv.setdefault(s["trace_id"], c)
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for s in good:
+        groups.setdefault(trajectory_key(conv.get(s["trace_id"]), s["trace_id"]), []).append(s)
+    return list(groups.values()), [s for s in spans if span_problem(s) is not None]
+
+
 def span_problem(span: Any) -> str | None:
     """Why one span cannot be read, or None (the same check `spans_to_record` makes)."""
     try:
