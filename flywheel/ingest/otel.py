@@ -280,14 +280,18 @@ def spans_to_record(record: dict[str, Any]) -> dict[str, Any]:
     spans = record[OTEL_RECORD]
     if not isinstance(spans, list) or not spans:
         raise ValueError(f"'{OTEL_RECORD}' must be a non-empty list of spans")
+    parts: dict[int, tuple[str, list[Any], list[Any], list[Any]]] = {}
     for span in spans:
-        problem = span_problem(span)
-        if problem is not None:
-            raise ValueError(problem)
+        try:
+            _check(span)
+            parts[id(span)] = _span_parts(span)
+        except (ValueError, TypeError, KeyError) as err:
+            sid = span.get("span_id") if isinstance(span, dict) else None
+            raise ValueError(f"span {sid}: {err}") from None
     spans = sorted(spans, key=lambda s: (s["start_ns"], s["span_id"]))
     ids = {s["span_id"] for s in spans}
     roots = [s for s in spans if not s.get("parent_span_id") or s["parent_span_id"] not in ids]
-    root = next((s for s in roots if _span_parts(s)[0] == "agent"), roots[0])
+    root = next((s for s in roots if parts[id(s)][0] == "agent"), roots[0])
     conv = next((c for c in map(conversation_of, spans) if c), None)
     key = trajectory_key(conv, root["trace_id"])
     items: list[dict[str, Any]] = []
@@ -296,7 +300,7 @@ def spans_to_record(record: dict[str, Any]) -> dict[str, Any]:
     usage = {"input_tokens": 0, "output_tokens": 0}
     model = agent = None
     for s in spans:
-        kind, inputs, outputs, span_tools = _span_parts(s)
+        kind, inputs, outputs, span_tools = parts[id(s)]
         attrs = s.get("attributes") or {}
         for t in span_tools:
             fn = t.get("function", t) if isinstance(t, dict) else {}
