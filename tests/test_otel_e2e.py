@@ -228,6 +228,18 @@ async def test_an_instrumented_agent_feeds_the_loop(stack: Stack, style: str) ->
     assert spec["verifier"]["expected"][0]["arguments"] == {"n": 4 + n}
     assert {t["function"]["name"] if "function" in t else t["name"] for t in spec["tools"]} \
         == {"math.factorial", "units:convert"}
+    # The task, as training and the gate pose it, is served: its dotted tool is called.
+    tools = [t if "function" in t else {"type": "function", "function": {
+        k: v for k, v in t.items() if k != "type"}} for t in spec["tools"]]
+    async with httpx.AsyncClient(base_url=stack.api, timeout=300,
+                                 headers={"Authorization": f"Bearer {TOKEN}"}) as client:
+        r = await client.post("/v1/chat/completions", json={
+            "model": "production", "messages": spec["messages"], "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "math.factorial"}},
+            "temperature": 0, "max_tokens": 30})
+        assert r.status_code == 200, r.text
+        assert [c["function"]["name"] for c in r.json()["choices"][0]["message"]["tool_calls"]
+                ] == ["math.factorial"]
     await wait_for(stack.dsn, "SELECT count(*) FROM outbox WHERE published_at IS NULL", 0)
     after = await _counts(stack)
     assert {k: after[k] - before[k] for k in after} == {
