@@ -18,7 +18,7 @@ from flywheel.schemas import Trajectory
 
 ACCEPTED = ["math.factorial", "civil_cases.retrieve", "github:create_issue", "get-order",
             "a" * 128, "mcp.server:tool_1"]
-REFUSED = ["", "a" * 129, "get weather", "orders/refund", "naïve"]
+REFUSED = ["", "a" * 129, "get weather", "orders/refund", "naïve", "math.factorial\n"]
 
 
 def _served(name: str) -> bool:
