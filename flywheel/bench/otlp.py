@@ -47,20 +47,21 @@ def _kv(key: str, value: str | int) -> KeyValue:
 def _messages(n: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(the chat transcript, the GenAI messages of the same turn) of conversation `n`."""
     order = str(10_000 + n)
-    chat = [{"role": "user", "content": f"Where is order {order}?"},
-            {"role": "assistant", "content": None, "tool_calls": [{
-                "id": f"call_{n}", "type": "function", "function": {
-                    "name": "orders.lookup", "arguments": json.dumps({"order_id": order})}}]},
-            {"role": "tool", "tool_call_id": f"call_{n}", "content": '{"status": "shipped"}'},
-            {"role": "assistant", "content": f"Order {order} has shipped."}]
-    genai = [{"role": "user", "parts": [{"type": "text", "content": chat[0]["content"]}]},
-             {"role": "assistant", "parts": [{"type": "tool_call", "id": f"call_{n}",
-                                              "name": "orders.lookup",
-                                              "arguments": {"order_id": order}}]},
-             {"role": "tool", "parts": [{"type": "tool_call_response", "id": f"call_{n}",
-                                         "response": '{"status": "shipped"}'}]},
-             {"role": "assistant", "parts": [{"type": "text",
-                                              "content": chat[3]["content"]}]}]
+    call = {"id": f"call_{n}", "type": "function", "function": {
+        "name": "orders.lookup", "arguments": json.dumps({"order_id": order})}}
+    chat: list[dict[str, Any]] = [
+        {"role": "user", "content": f"Where is order {order}?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": f"call_{n}", "content": '{"status": "shipped"}'},
+        {"role": "assistant", "content": f"Order {order} has shipped."}]
+    genai: list[dict[str, Any]] = [
+        {"role": "user", "parts": [{"type": "text", "content": chat[0]["content"]}]},
+        {"role": "assistant", "parts": [{"type": "tool_call", "id": f"call_{n}",
+                                         "name": "orders.lookup",
+                                         "arguments": {"order_id": order}}]},
+        {"role": "tool", "parts": [{"type": "tool_call_response", "id": f"call_{n}",
+                                    "response": '{"status": "shipped"}'}]},
+        {"role": "assistant", "parts": [{"type": "text", "content": chat[3]["content"]}]}]
     return chat, genai
 
 
