@@ -138,3 +138,11 @@ def test_late_spans_make_a_superset_with_the_same_id() -> None:
     assert isinstance(first, Trajectory) and isinstance(full, Trajectory)
     assert first.trajectory_id == full.trajectory_id
     assert (first.metadata["otel"]["span_count"], full.metadata["otel"]["span_count"]) == (3, 4)
+
+
+def test_a_span_postgres_cannot_store_is_refused() -> None:
+    spans = read_export(export("genai"), "application/x-protobuf")
+    spans[0]["attributes"]["note"] = "a\x00b"
+    problem = span_problem(spans[0])
+    assert problem is not None and problem.startswith(f"span {spans[0]['span_id']}: ")
+    assert isinstance(validate_record({OTEL_RECORD: spans}), tuple)

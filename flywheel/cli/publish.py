@@ -1,4 +1,5 @@
-"""`flywheel publish`: JSONL files of trajectories or feedback onto the topics."""
+"""`flywheel publish`: JSONL files of trajectories or feedback, or OTLP/JSON span files,
+onto the topics."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def publish(
     as_json: JsonOpt = False,
 ) -> None:
     """Publish trajectories (flywheel v1, Chat Completions transcripts, request/response
-    pairs: auto-detected per line) or, with --feedback, feedback. Exits 1 when a line was
+    pairs: auto-detected per line; OpenTelemetry spans with --format otlp-json) or, with
+    --feedback, feedback. Exits 1 when a line was
     invalid, unless --allow-invalid."""
     from flywheel.runtime.endpoints import StackNotRunning
     from producers.replay import publish_lines

@@ -34,6 +34,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from flywheel.formats import chat_to_items
+from flywheel.ingest.storable import unstorable
 
 OTEL_RECORD = "otel_spans"
 """The field of a record on the trajectories topic that holds one trajectory's spans."""
@@ -83,14 +84,16 @@ def group_spans(spans: list[dict[str, Any]]) -> tuple[list[list[dict[str, Any]]]
 
 
 def span_problem(span: Any) -> str | None:
-    """Why one span cannot be read, or None (the same check `spans_to_record` makes)."""
+    """Why one span cannot be read or stored, or None (the checks `spans_to_record` and
+    ingest's boundary make)."""
+    sid = span.get("span_id") if isinstance(span, dict) else None
     try:
         _check(span)
         _span_parts(span)
     except (ValueError, TypeError, KeyError) as err:
-        sid = span.get("span_id") if isinstance(span, dict) else None
         return f"span {sid}: {err}"
-    return None
+    problem = unstorable(span)
+    return None if problem is None else f"span {sid}: {problem}"
 
 
 def _check(span: Any) -> None:

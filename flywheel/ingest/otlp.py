@@ -27,6 +27,7 @@ import json
 import zlib
 from typing import Any
 
+import msgspec
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -38,6 +39,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
 _ID_FIELDS = ("traceId", "spanId", "parentSpanId")
+_JSON = msgspec.json.Decoder()
 
 
 class BadExport(ValueError):
@@ -70,19 +72,23 @@ def parse_request(body: bytes, content_type: str | None) -> ExportTraceServiceRe
     if kind == PROTOBUF:
         try:
             message.ParseFromString(body)
-        except DecodeError as err:
+        except (DecodeError, RecursionError) as err:
             raise BadExport(f"the body is not an OTLP ExportTraceServiceRequest ({err})"
                             ) from None
         return message
     if kind != JSON:
         raise BadExport(f"Content-Type {kind!r} is not OTLP; send {PROTOBUF} or {JSON}")
     try:
-        doc = json.loads(body)
-    except ValueError as err:
+        doc = _JSON.decode(body)  # refuses lone surrogates, which no protobuf string holds
+    except RecursionError:
+        raise BadExport("the body is nested too deeply to be an OTLP export") from None
+    except msgspec.DecodeError as err:
         raise BadExport(f"the body is not valid JSON ({err})") from None
+    if not isinstance(doc, dict):
+        raise BadExport("an OTLP/JSON export is an object with 'resourceSpans'")
     try:
         json_format.ParseDict(_ids_to_base64(doc), message, ignore_unknown_fields=True)
-    except (json_format.ParseError, TypeError, ValueError) as err:
+    except (json_format.ParseError, TypeError, ValueError, RecursionError) as err:
         raise BadExport(f"the body is not OTLP/JSON: {err}") from None
     return message
 
