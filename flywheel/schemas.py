@@ -47,6 +47,11 @@ PG_BIGINT_MAX = 2**63 - 1
 """Largest integer a Postgres `bigint` holds: the bound of every integer field that is (or
 may become) a column, so a value is refused at validation rather than by the database."""
 _NAIVE_MARGIN = timedelta(days=1)
+TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
+"""The one rule for a tool's name, wherever a tool is offered: logged (ingest, mining,
+training, the gate read what was stored) and served (`tools` of `/v1/chat/completions`).
+What vLLM's server and MCP accept: letters, digits, `_`, `-`, dots (`math.factorial`) and
+colons (`github:create_issue`), 1 to 128 characters."""
 
 
 def storable_datetime(value: datetime) -> datetime:
@@ -89,7 +94,7 @@ class Tool(_Open):
     """
 
     type: Literal["function"] = "function"
-    name: str
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
     description: str | None = None
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
 

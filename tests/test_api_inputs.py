@@ -143,6 +143,7 @@ async def test_every_route_answers_malformed_input_with_a_4xx(api: httpx.AsyncCl
 async def test_the_body_limit_holds_on_every_endpoint(api: httpx.AsyncClient) -> None:
     big = b'{"x": "' + b"a" * LIMIT + b'"}'
     for method, path in (("POST", "/v1/trajectories"), ("POST", "/v1/chat/completions"),
+                         ("POST", "/v1/traces"),
                          ("POST", "/v1/adapters/rollback"), ("POST", "/v1/intake"),
                          ("GET", "/v1/status"), ("GET", "/metrics"), ("GET", "/healthz")):
         r = await api.request(method, path, content=big,

@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from flywheel.schemas import TOOL_NAME_PATTERN
+
 MAX_N = 16
 """Most choices one request may ask for (each is a full generation on the serving engine)."""
 MAX_STOP = 4
@@ -122,7 +124,7 @@ Message = Annotated[SystemMessage | DeveloperMessage | UserMessage | AssistantMe
 
 
 class FunctionDef(_Model):
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None

@@ -113,8 +113,16 @@ async def model_cards(serving: ServingSync) -> list[dict[str, Any]]:
     for v in versions:
         if v["version"] in stored:
             cards.append(_card(f"{serving.name}@v{v['version']}", _epoch(v.get("created_at"), now),
-                               status=v["status"], stage=v["stage"], parent="base"))
+                               status=v["status"], stage=v["stage"],
+                               parent=_parent(serving.name, v.get("parent_version"))))
     return cards
+
+
+def _parent(policy: str, parent_version: object) -> str:
+    """The version a version was trained from, named as `/v1/models` names it (`base` for
+    none or 0: trained from the base model)."""
+    return f"{policy}@v{parent_version}" if isinstance(parent_version, int) and parent_version \
+        else "base"
 
 
 def _card(name: str, created: int, **extra: Any) -> dict[str, Any]:

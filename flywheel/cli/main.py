@@ -214,6 +214,18 @@ def bench_ingest(
     print_result(result, as_json)
 
 
+@bench_app.command("otlp")
+def bench_otlp(
+    n: Annotated[int, typer.Option(help="Conversations (4 spans each) per leg.")] = 2000,
+    batch: Annotated[int, typer.Option(help="Conversations per request.")] = 50,
+    as_json: JsonOpt = False,
+) -> None:
+    """OTLP spans → /v1/traces → Postgres, against the gateway's trajectories/s, one run."""
+    from flywheel.bench.otlp import run_bench
+
+    print_result(run_bench(n, batch=batch), as_json)
+
+
 @app.command()
 def simulate(
     agents: Annotated[int, typer.Option(help="Simulated agents (1-3: support, ops, code).")] = 3,

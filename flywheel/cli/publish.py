@@ -1,4 +1,5 @@
-"""`flywheel publish`: JSONL files of trajectories or feedback onto the topics."""
+"""`flywheel publish`: JSONL files of trajectories or feedback, or OTLP/JSON span files,
+onto the topics."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import io
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TextIO
 
 import typer
 
@@ -31,10 +32,17 @@ def publish(
     allow_invalid: Annotated[bool, typer.Option("--allow-invalid", help="Exit 0 even when "
                                                 "lines were invalid (they are still "
                                                 "reported).")] = False,
+    file_format: Annotated[str, typer.Option("--format", help="jsonl (one record a line) or "
+                                             "otlp-json: OpenTelemetry spans as OTLP/JSON "
+                                             "(one export a line, as the Collector's file "
+                                             "exporter writes, or one in the file); each "
+                                             "trajectory's spans count as one line.")
+                           ] = "jsonl",
     as_json: JsonOpt = False,
 ) -> None:
     """Publish trajectories (flywheel v1, Chat Completions transcripts, request/response
-    pairs: auto-detected per line) or, with --feedback, feedback. Exits 1 when a line was
+    pairs: auto-detected per line; OpenTelemetry spans with --format otlp-json) or, with
+    --feedback, feedback. Exits 1 when a line was
     invalid, unless --allow-invalid."""
     from flywheel.runtime.endpoints import StackNotRunning
     from producers.replay import publish_lines
@@ -47,9 +55,16 @@ def publish(
         _fail("--agent names trajectories; feedback belongs to the trajectory it names")
     if file != "-" and not Path(file).exists():
         _fail(f"no such file: {file}")
+    if file_format not in ("jsonl", "otlp-json"):
+        _fail(f"--format {file_format!r}: use jsonl or otlp-json")
+    if file_format == "otlp-json" and (raw or feedback):
+        _fail("--format otlp-json reads spans; --raw and --feedback read JSONL records")
     # surrogateescape: a line that is not UTF-8 is reported as invalid, not a crash mid-file
-    stream = (io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="surrogateescape")
-              if file == "-" else open(file, encoding="utf-8", errors="surrogateescape"))
+    stream: TextIO = (io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8",
+                                       errors="surrogateescape")
+                      if file == "-" else open(file, encoding="utf-8", errors="surrogateescape"))
+    if file_format == "otlp-json":
+        stream = _span_groups(stream)
     try:
         report = asyncio.run(publish_lines(_settings(), stream, raw=raw, strict=strict,
                                            progress=not as_json, agent=agent,
@@ -72,3 +87,20 @@ def publish(
             console.print(f"  … and {report['invalid'] - 10} more (--json lists all)")
     if report["invalid"] and not allow_invalid:
         raise typer.Exit(INVALID_EXIT)
+
+
+def _span_groups(stream: TextIO) -> TextIO:
+    """An OTLP/JSON file as JSONL records: one `otel_spans` record per trajectory, one per
+    span that cannot be read (reported as invalid with its reason)."""
+    from flywheel.ingest.otel import OTEL_RECORD, group_spans
+    from flywheel.ingest.otlp import BadExport, read_otlp_json_file
+
+    try:
+        spans = read_otlp_json_file(stream.read())
+    except BadExport as err:
+        _fail(f"not OTLP/JSON: {err}")
+    finally:
+        stream.close()
+    groups, bad = group_spans(spans)
+    return io.StringIO("".join(json.dumps({OTEL_RECORD: g}) + "\n"
+                               for g in [*groups, *([b] for b in bad)]))

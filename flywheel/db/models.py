@@ -471,3 +471,22 @@ class TrainerStatusRow(Base):
     stale_dropped: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     metrics: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'"))
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class OtelSpanRow(Base):
+    """A GenAI span the OTLP receiver took (`POST /v1/traces`), kept until its trajectory is
+    complete (every trace in it has its root span) and after, so that a late span of a
+    finished trace is merged into the same trajectory: the whole group is re-sent."""
+
+    __tablename__ = "otel_spans"
+
+    trajectory_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    trace_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    span_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    is_root: Mapped[bool] = mapped_column(Boolean)
+    span: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    received_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now()
+    )
+
+    __table_args__ = (Index("ix_otel_spans_trace_id", "trace_id"),)

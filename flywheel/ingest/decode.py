@@ -7,8 +7,9 @@ rejection with a readable reason, so no record can take its batch with it. Value
 Postgres cannot store (`flywheel.ingest.storable`, timestamps and integers in
 `flywheel.schemas`) are schema errors here, never database errors later.
 
-Accepts the v1 format, Chat Completions transcripts and request/response pairs on the same
-topic; a record without an agent is named from its context (`flywheel.formats.ParseContext`:
+Accepts the v1 format, Chat Completions transcripts, request/response pairs and OTel span
+groups (`flywheel.ingest.otel`) on the same topic; a record without an agent is named from
+its context (`flywheel.formats.ParseContext`:
 the message's `flywheel-agent` header, `RawRecord.headers`, the gateway token, the
 publisher's default), else `unknown`. The normalizers run inside the boundary: whatever they
 raise is the record's rejection. Three tiers, each a fallback for the one before: the
@@ -48,6 +49,7 @@ from flywheel.ingest.fastpath import (
     fast_decode,
     too_deep,
 )
+from flywheel.ingest.otel import is_otel, spans_to_record
 from flywheel.ingest.storable import TOO_DEEP, text_problem, unstorable
 from flywheel.schemas import Trajectory, parse_trajectory
 
@@ -115,7 +117,8 @@ def validate_record(record: Any, *, plain: bool = False, context: ParseContext |
     `plain`: the value was decoded from a payload `sniff` found plain, so the storability
     check (`unstorable`, a walk over every value) cannot find anything and is skipped.
     `context`: where the record came from, naming the agent of a record that has none."""
-    t = parse_guarded(lambda: parse_trajectory(record, context), record, plain, "a trajectory")
+    t = parse_guarded(lambda: parse_trajectory(_from_spans(record), context), record, plain,
+                      "a trajectory")
     if isinstance(t, tuple):
         return t
     # The record itself was checked; an agent named by the context (a CLI argument, a
@@ -124,6 +127,12 @@ def validate_record(record: Any, *, plain: bool = False, context: ParseContext |
     if problem is not None:
         return "schema", f"agent (from {t.metadata.get('agent_source', 'the record')}) {problem}"
     return t
+
+
+def _from_spans(record: Any) -> Any:
+    """An `otel_spans` record (the OTLP receiver's, `flywheel publish --format otlp-json`)
+    as the v1 dict its spans make (`flywheel.ingest.otel`); any other record as it is."""
+    return spans_to_record(record) if isinstance(record, dict) and is_otel(record) else record
 
 
 def parse_guarded(parse: Callable[[], T], record: Any, plain: bool, what: str) -> T | Rejection:

@@ -29,6 +29,7 @@ from pydantic import TypeAdapter, ValidationError
 from flywheel.schemas import (
     AWAITING_OUTCOME,
     PG_BIGINT_MAX,
+    TOOL_NAME_PATTERN,
     CallStatus,
     OutcomeStatus,
     StoredDatetime,
@@ -73,11 +74,15 @@ class RowData(msgspec.Struct, frozen=True, gc=False):
                    t.model, t.adapter_version, t.started_at, t.ended_at)
 
 
+# Python's `$` also matches before a final newline; pydantic's (Rust) regex does not.
+_TOOL_NAME = TOOL_NAME_PATTERN.removesuffix("$") + r"\Z"
+
+
 # Nested structs ignore unknown fields, like the `_Open` models (extra="allow"). gc=False:
 # decoded JSON cannot form reference cycles, and untracked objects are cheaper to make.
 class Tool(msgspec.Struct, kw_only=True, gc=False):
     type: Literal["function"] = "function"
-    name: str
+    name: Annotated[str, msgspec.Meta(pattern=_TOOL_NAME)]
     description: str | None = None
     parameters: dict[str, Json] = msgspec.field(default_factory=dict)
 

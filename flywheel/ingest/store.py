@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,16 @@ FROM unnest(CAST(:ids AS uuid[]), CAST(:agents AS text[]), CAST(:sessions AS tex
             CAST(:offs AS bigint[]), CAST(:records AS text[]))
      AS u(id, agent, session_id, status, is_failure, model, adapter_version, started_at,
           ended_at, topic, part, off, record)
-ON CONFLICT (trajectory_id) DO NOTHING
+ON CONFLICT (trajectory_id) DO UPDATE SET record = EXCLUDED.record,
+    ended_at = EXCLUDED.ended_at, model = EXCLUDED.model, agent = EXCLUDED.agent,
+    status = CASE WHEN trajectories.status = 'awaiting_outcome' THEN EXCLUDED.status
+                  ELSE trajectories.status END,
+    is_failure = trajectories.is_failure OR EXCLUDED.is_failure
+  -- OTel spans of a trajectory arrive over time (the receiver re-sends the whole group when
+  -- a late span of a finished trace comes): a group with more spans replaces the stored one.
+  WHERE (EXCLUDED.record #>> '{metadata,otel,span_count}')::bigint
+        > COALESCE((trajectories.record #>> '{metadata,otel,span_count}')::bigint, 0)
+    AND trajectories.record #> '{metadata,otel}' IS NOT NULL
 RETURNING is_failure
 """)
 
@@ -54,7 +64,8 @@ TRAJECTORY_COLUMNS = ["trajectory_id", "agent", "session_id", "status", "is_fail
 
 
 async def insert_trajectories(conn: AsyncConnection, batch: Sequence[Accepted]) -> TrajectoryWrite:
-    """Write a batch idempotently: re-delivered ids are skipped.
+    """Write a batch idempotently: re-delivered ids are skipped (an OTel trajectory that
+    comes again with more spans replaces the stored one: late spans merged).
 
     Fast path: binary COPY straight into the table inside a savepoint. A batch holding an id
     that is already stored (a redelivery after a crash, or a re-sent record) violates the
@@ -84,7 +95,8 @@ def _row(a: Accepted) -> tuple[Any, ...]:
 
 async def _insert_skipping_duplicates(conn: AsyncConnection,
                                       batch: Sequence[Accepted]) -> TrajectoryWrite:
-    rs = [a.row for a in batch]
+    unique = _one_per_id(batch)
+    rs = [a.row for a in unique]
     result = await conn.execute(_INSERT_TRAJECTORIES, {
         "ids": [r.trajectory_id for r in rs],
         "agents": [r.agent for r in rs],
@@ -95,13 +107,31 @@ async def _insert_skipping_duplicates(conn: AsyncConnection,
         "adapters": [r.adapter_version for r in rs],
         "starts": [r.started_at for r in rs],
         "ends": [r.ended_at for r in rs],
-        "topics": [a.source.topic for a in batch],
-        "parts": [a.source.partition for a in batch],
-        "offs": [a.source.offset for a in batch],
-        "records": [a.record_json for a in batch],
+        "topics": [a.source.topic for a in unique],
+        "parts": [a.source.partition for a in unique],
+        "offs": [a.source.offset for a in unique],
+        "records": [a.record_json for a in unique],
     })
     flags = result.scalars().all()
     return TrajectoryWrite(len(flags), sum(flags), len(batch) - len(flags))
+
+
+def _span_count(a: Accepted) -> int:
+    if '"otel"' not in a.record_json:
+        return 0
+    otel = json.loads(a.record_json).get("metadata", {}).get("otel")
+    return int(otel.get("span_count", 0)) if isinstance(otel, dict) else 0
+
+
+def _one_per_id(batch: Sequence[Accepted]) -> list[Accepted]:
+    """One record per trajectory id (a statement may touch a row once): the first, or the
+    OTel group with the most spans."""
+    chosen: dict[Any, Accepted] = {}
+    for a in batch:
+        prev = chosen.get(a.row.trajectory_id)
+        if prev is None or _span_count(a) > _span_count(prev):
+            chosen[a.row.trajectory_id] = a
+    return list(chosen.values())
 
 
 async def insert_dead_letters(
