@@ -85,7 +85,8 @@ async def curve_rows(conn: AsyncConnection, policy: str) -> list[dict[str, Any]]
 
 async def status(conn: AsyncConnection, policy: str) -> dict[str, Any] | None:
     row = (await conn.execute(text("""SELECT state, detail, train_tasks, after_version,
-        updated_at FROM validation_status WHERE policy = :p"""), {"p": policy})).mappings().one_or_none()
+        updated_at FROM validation_status WHERE policy = :p"""), {"p": policy})
+           ).mappings().one_or_none()
     return dict(row) if row else None
 
 
