@@ -48,6 +48,11 @@ async def schedule_once(engine: AsyncEngine, settings: Settings, rng: random.Ran
         expired = await store.expire_requests(conn, older_than_s=3 * cfg.rollout_timeout_s)
         if expired:
             log.warning("expired %d unanswered rollout requests", expired)
+        # First, even while nothing is requested: the SFT warm start must not learn from
+        # a task that validation will judge it on (its demonstrations skip them).
+        added = await validation_split.assign(conn, settings.validation, cfg.envs)
+        if added:
+            log.info("set aside %d more tasks for validation", added)
         room = budget - await store.backlog(conn) - await store.outstanding(conn)
         if room <= 0:
             return 0
@@ -57,9 +62,6 @@ async def schedule_once(engine: AsyncEngine, settings: Settings, rng: random.Ran
         if await validation_store.paused(conn, settings.policy,
                                          settings.validation.resume_new_tasks):
             return 0  # overfitting: more tasks, not more steps (docs/VALIDATION.md)
-        added = await validation_split.assign(conn, settings.validation, cfg.envs)
-        if added:
-            log.info("set aside %d more tasks for validation", added)
         picked = pick_tasks(await store.candidate_stats(conn, cfg.envs), room, rng,
                             explore_share=cfg.explore_share, min_attempts=cfg.group_size)
         await store.request_rollouts(conn, picked, version, settings.topics)

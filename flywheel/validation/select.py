@@ -94,14 +94,23 @@ def best_of(scores: list[Score], production: Score) -> Score:
     return max(scores, key=lambda s: (rate_on(s, common_tasks(s, production)), s.version or 0))
 
 
-def propose(since: list[Score], production: Score, *, margin: float, alpha: float
-            ) -> tuple[Proposal | None, str | None]:
+def propose(since: list[Score], production: Score, *, margin: float, alpha: float,
+            previous: Score | None = None) -> tuple[Proposal | None, str | None]:
     """The best of the versions scored since the last proposal, if it beats production
-    on the same validation tasks by `margin` with p ≤ `alpha`; else why not."""
+    on the same validation tasks by `margin` with p ≤ `alpha` — and beats `previous`, the
+    last version proposed when it is not production (pending, or rejected: a version no
+    better than one the gate is judging or turned down is not worth its holdout samples);
+    else why not."""
     if not since:
         return None, "no version scored since the last proposal"
     best = best_of(since, production)
     assert best.version is not None
+    if previous is not None and previous.version != production.version:
+        shared = common_tasks(best, previous)
+        if rate_on(best, shared) <= rate_on(previous, shared):
+            return None, (f"v{best.version}, the best since v{previous.version} was proposed, "
+                          f"is no better than it on validation ({rate_on(best, shared):.3f} "
+                          f"vs {rate_on(previous, shared):.3f})")
     pr = paired_gain(best, production)
     considered = sorted(s.version for s in since if s.version is not None)
     vs = "the base model" if production.version is None else f"v{production.version}"
@@ -142,10 +151,13 @@ def judge(curve: list[Score], production: Score, *, last_proposed: int | None,
           margin: float, alpha: float, window: int, rise: float) -> Outcome:
     """After a version was scored: what to propose (if anything) and whether to alarm.
     `curve`: every GRPO version scored, oldest first; `last_proposed`: the newest version
-    already proposed to the gate (those up to it are not considered again)."""
+    already proposed to the gate (those up to it are not considered again, and the next
+    proposal must beat it on validation unless it is production)."""
     since = [s for s in curve if s.version is not None
              and (last_proposed is None or s.version > last_proposed)]
-    proposal, why_not = propose(since, production, margin=margin, alpha=alpha)
+    previous = next((s for s in curve if s.version == last_proposed), None)
+    proposal, why_not = propose(since, production, margin=margin, alpha=alpha,
+                                previous=previous)
     alarm = overfitting(curve, window=window, rise=rise)
     best = best_of(curve, production).version if curve else None
     return Outcome(proposal, why_not, alarm, best, curve[-window:])
