@@ -538,7 +538,9 @@ class Topics(BaseModel, frozen=True):
                  "TaskCreated": self.tasks, "EvalSetFrozen": self.tasks,
                  "RolloutRequested": self.rollout_requests, "GroupScored": self.rollouts,
                  **dict.fromkeys(("AdapterTrained", "AdapterEvaluated", "AdapterPromoted",
-                                  "AdapterRejected", "AdapterRolledBack", "ServingSwitched"),
+                                  "AdapterRejected", "AdapterRolledBack", "ServingSwitched",
+                                  "ValidationScored", "CandidateProposed",
+                                  "OverfittingDetected"),
                                  self.adapters)}
         try:
             return route[event_type]

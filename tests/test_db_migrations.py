@@ -33,7 +33,8 @@ async def test_upgrade_head_on_empty_database_then_no_drift(postgres: LocalPostg
                       "eval_set_tasks", "task_stats", "rollout_requests", "rollout_groups",
                       "adapter_versions", "trainer_status", "evaluations", "production",
                       "serving_state", "eval_runs", "baselines", "feedback",
-                      "trajectory_outcomes", "gate_status"}
+                      "trajectory_outcomes", "gate_status", "validation_tasks",
+                      "validation_runs", "validation_status", "candidate_selections"}
 
 
 def test_revisions_form_one_line() -> None:
