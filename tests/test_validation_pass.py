@@ -219,3 +219,36 @@ async def test_rising_validation_proposes_the_best_version_and_the_gate_records_
         after = await lifecycle.snapshot(conn)
     for table in ("adapter_versions", "candidate_selections"):
         assert after[table] == before[table]
+
+
+async def test_the_trainer_refuses_a_group_of_a_validation_task(
+        engine: AsyncEngine, settings: Settings) -> None:
+    from aiokafka import TopicPartition
+
+    from flywheel.events import GroupScoredPayload
+    from flywheel.trainer.service import TrainerService, _Pending
+
+    s = _settings(settings)
+    await _pool(engine, s)
+    async with engine.begin() as conn:
+        await split.assign(conn, s.validation)
+        val = (await conn.execute(text("SELECT task_id FROM validation_tasks"))).scalars().first()
+        train = (await training_tasks(conn, limit=1))[0].task_id
+        ids = [uuid.uuid4(), uuid.uuid4()]
+        for gid, task in zip(ids, [val, train], strict=True):
+            await conn.execute(text("""INSERT INTO rollout_groups (group_id, task_id, env,
+                scored, not_run, reward_mean, reward_std, success_rate, trainable, rollouts,
+                worker, duration_ms) VALUES (:g, :t, 'tool_call', 8, 0, 0.5, 0.5, 0.5, true,
+                '[]', 'w', 1)"""), {"g": gid, "t": task})
+    groups = [GroupScoredPayload(group_id=gid, task_id=task, env="tool_call", adapter=None,
+                                 adapter_version=None, temperature=1.0, rollouts=[],
+                                 reward_mean=0.5, reward_std=0.5, trainable=True, worker="w")
+              for gid, task in zip(ids, [val, train], strict=True)]
+    svc = TrainerService(s, engine)
+    tp = TopicPartition("t", 0)
+    refused = await svc._refuse_validation([_Pending(tp, n, g) for n, g in enumerate(groups)])
+    assert refused == {val}
+    async with engine.connect() as conn:
+        consumed = dict((await conn.execute(text(
+            "SELECT group_id, consumed_as FROM rollout_groups"))).all())
+    assert consumed == {ids[0]: "validation", ids[1]: None}
