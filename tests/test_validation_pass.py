@@ -182,6 +182,19 @@ async def test_flat_validation_with_rising_training_reward_proposes_nothing_and_
     assert statuses == {"snapshot"}
     v7 = next(r for r in curve if r["version"] == 7)
     assert abs(v7["gap"] - (0.86 - 4 / 9)) < 1e-9
+    # Status and /metrics say so; the trainer's own state too.
+    from flywheel.api.metrics import families, snapshot
+    from flywheel.api.status import counts
+
+    async with engine.connect() as conn:
+        data = await counts(conn, "policy")
+        found = {f.name: f for f in families(await snapshot(conn, s), {}, None)}
+        assert await trainer_store.overfitting(conn, "policy") == st["detail"]
+    assert data["validation"]["state"] == "overfitting" and data["validation"]["tasks"] == 9
+    assert data["tasks_by_split"] == {"train": 51, "validation": 9, "holdout": 6}
+    state = {sm.labels["state"]: sm.value for sm in found["flywheel_validation_state"].samples}
+    assert state == {"absent": 0, "ok": 0, "overfitting": 1}
+    assert found["flywheel_validation_gap"].samples[0].value == pytest.approx(0.86 - 4 / 9)
     # The pause: the scheduler requests nothing until the miner adds tasks.
     rng = random.Random(0)
     assert await schedule_once(engine, s, rng) == 0

@@ -36,7 +36,7 @@ log = logging.getLogger("flywheel.api")
 SCRAPE_DB_TIMEOUT_S = 5.0
 
 TRAINER_STATES = ("absent", "starting", "waiting", "training", "starved", "stalled",
-                  "stopped", "down")
+                  "overfitting", "stopped", "down")
 GATE_STATES = ("absent", "idle", "baseline", "evaluating", "down")
 ADAPTER_STATUSES = ("candidate", "snapshot", "evaluated", "promoted", "rejected",
                     "rolled_back")

@@ -464,7 +464,8 @@ class TrainerStatusRow(Base):
 
     policy: Mapped[str] = mapped_column(Text, primary_key=True)
     state: Mapped[str] = mapped_column(Text)
-    """`starting`, `waiting` (batch filling), `training`, `starved`, `stalled`, `stopped`."""
+    """`starting`, `waiting` (batch filling), `training`, `starved`, `stalled`, `stopped`,
+    `overfitting` (idle: the validation pass paused sampling until more tasks are mined)."""
     detail: Mapped[str | None] = mapped_column(Text)
     version: Mapped[int | None] = mapped_column(Integer)
     steps: Mapped[int] = mapped_column(Integer, server_default=text("0"))

@@ -481,6 +481,10 @@ class TrainerService:
     async def heartbeat(self) -> None:
         state, detail = self.watch()
         async with self.engine.begin() as conn:
+            if state in ("waiting", "starved"):  # idle because validation paused sampling?
+                paused = await store.overfitting(conn, self.policy)
+                if paused is not None:
+                    state, detail = "overfitting", paused
             await store.write_status(
                 conn, self.policy, state=state, detail=detail, version=self.version,
                 steps=self.trainer.steps if self.trainer else 0,

@@ -92,3 +92,10 @@ async def mark_refused(conn: AsyncConnection, group_ids: Sequence[uuid.UUID]) ->
     await conn.execute(text("""UPDATE rollout_groups SET trained_at = now(),
         consumed_as = 'validation' WHERE group_id = ANY(CAST(:ids AS uuid[]))"""),
         {"ids": list(group_ids)})
+
+
+async def overfitting(conn: AsyncConnection, policy: str) -> str | None:
+    """The validation pass's overfitting alarm while it pauses sampling (None: no pause)."""
+    row = (await conn.execute(text("""SELECT detail FROM validation_status
+        WHERE policy = :p AND state = 'overfitting'"""), {"p": policy})).first()
+    return None if row is None else str(row[0] or "overfitting")
