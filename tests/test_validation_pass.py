@@ -147,6 +147,12 @@ async def test_the_split_is_stratified_sticky_and_refused_by_training(
     assert splits == {"train"}  # never a holdout task
     assert len(strata) == 6 and all(c in (1, 2) for _, c in strata)  # 6 strata of 10 tasks
     async with engine.connect() as conn:
+        from flywheel.mining.queries import get_task, list_tasks
+
+        listed = await list_tasks(conn, split="validation", limit=100)  # `flywheel tasks ls`
+        assert {uuid.UUID(r["task_id"]) for r in listed} == val
+        assert (await get_task(conn, next(iter(val))) or {})["split"] == "validation"
+        assert len(await list_tasks(conn, split="train", limit=100)) == 51
         picked = {t.task_id for t in await candidate_stats(conn)}
         assert picked and not picked & val  # the scheduler never requests them
         assert not {t.task_id for t in await training_tasks(conn, limit=1000)} & val
