@@ -77,3 +77,17 @@ def test_sign_test_and_paired_gain_by_hand() -> None:
 def test_a_version_below_production_is_never_proposed() -> None:
     proposed, _ = run([(6, 0.5), (7, 0.6)], score(1, 8))
     assert proposed == []
+
+
+def test_status_line_says_overfitting_and_the_gap() -> None:
+    from flywheel.cli.review import validation_line
+
+    newest = {"version": 7, "validation_success": 0.4, "train_reward": 0.86, "gap": 0.46}
+    _, line = validation_line({"state": "overfitting", "detail": "training reward rose",
+                               "tasks": 9, "newest": newest},
+                              {"train": 51, "validation": 9, "holdout": 6})
+    assert "9 tasks (train 51, holdout 6)" in line and "overfitting" in line
+    assert "v7: validation 0.40, training reward 0.86 (gap +0.46)" in line
+    _, none = validation_line({"state": "absent", "detail": None, "tasks": 0, "newest": None},
+                              {})
+    assert "no validation split yet" in none
