@@ -84,7 +84,16 @@ def choose(pool: list[PoolTask], assigned: set[uuid.UUID], cfg: ValidationSettin
 async def assign(conn: AsyncConnection, cfg: ValidationSettings, envs: list[str] | None = None
                  ) -> int:
     """Top the split up to its share of the current pool (run under the scheduler's lock,
-    before it picks tasks); returns how many tasks were added."""
+    before it picks tasks); returns how many tasks were added. Cheap when nothing is due:
+    the pool is read only when its target exceeds the split (once per new task or so)."""
+    pool_n, have_n = (await conn.execute(text("""
+        SELECT (SELECT count(*) FROM tasks t WHERE t.split = 'train'
+                  AND t.task_id NOT IN (SELECT task_id FROM eval_set_tasks)
+                  AND (cardinality(CAST(:envs AS text[])) = 0
+                       OR t.env = ANY(CAST(:envs AS text[])))),
+               (SELECT count(*) FROM validation_tasks)"""), {"envs": envs or []})).one()
+    if target(int(pool_n), cfg) <= int(have_n):
+        return 0
     rows = (await conn.execute(text("""
         SELECT t.task_id, t.fingerprint, t.spec,
                NOT EXISTS (SELECT 1 FROM rollout_requests r WHERE r.task_id = t.task_id)
