@@ -231,6 +231,35 @@ async def test_rising_validation_proposes_the_best_version_and_the_gate_records_
         assert (await registry.selected_by(conn, "policy", 1)).startswith("trainer: the SFT")
         sel = (await conn.execute(text("SELECT selection FROM candidate_selections"))).scalar()
     assert json.loads(json.dumps(sel))["considered"] == [2, 3]
+    # The gate takes the proposal up, samples only the holdout, and says how it was chosen.
+    from flywheel.gate import service as gate_service
+    from flywheel.mining.store import freeze_eval_set
+
+    async with engine.begin() as conn:
+        await freeze_eval_set(conn, s.topics)
+    holdout_seen: list[set[str]] = []
+
+    async def gate_sample(policy: Any, holdout: Holdout, adapter: AdapterRef | None,
+                          settings: Settings, round_: int = 0) -> EvalRun:
+        holdout_seen.append({str(t.task_id) for t in holdout.tasks})
+        return await Script({None: 1, 3: 5})(policy, holdout, adapter, settings, round_)
+
+    async def probe(*args: Any) -> tuple[list[float], list[float]]:
+        return [10.0], [10.0]
+
+    monkeypatch.setattr(gate_service, "evaluate", gate_sample)
+    monkeypatch.setattr(gate_service, "probe_latency", probe)
+    gate = gate_service.GateService(s, engine, FakePolicy())  # type: ignore[arg-type]
+    monkeypatch.setattr(type(gate.adapters), "__call__", lambda self, v: _ref(v))
+    decided = await gate.on_proposed(proposals[0].payload)  # type: ignore[arg-type]
+    record = decided[0].payload
+    assert record.selected_by is not None  # type: ignore[union-attr]
+    assert record.selected_by.startswith("validation: v3")  # type: ignore[union-attr]
+    async with engine.connect() as conn:
+        val = {str(t) for t in (await conn.execute(text(
+            "SELECT task_id FROM validation_tasks"))).scalars()}
+    assert holdout_seen and all(not seen & val for seen in holdout_seen)
+    assert await gate.on_proposed(proposals[0].payload) == []  # type: ignore[arg-type]
     # Replaying the log rebuilds the candidate and its selection.
     async with engine.begin() as conn:
         before = await lifecycle.snapshot(conn)
