@@ -62,7 +62,8 @@ async def grpo_curve(conn: AsyncConnection, policy: str, after: int | None = Non
         WHERE r.policy = :p AND a.stage = 'grpo' AND r.version > coalesce(CAST(:a AS int), 0)
         ORDER BY r.version, r.created_at DESC"""), {"p": policy, "a": after})).all()
     rewards = await train_rewards(conn, [int(r[0]) for r in rows])
-    return [score_of(EvalRun.from_json(r[1]), rewards.get(int(r[0]), 0.0)) for r in rows]
+    # A version with no trained group (all stale) has no training reward: not 0.
+    return [score_of(EvalRun.from_json(r[1]), rewards.get(int(r[0]))) for r in rows]
 
 
 async def curve_rows(conn: AsyncConnection, policy: str) -> list[dict[str, Any]]:
