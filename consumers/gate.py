@@ -1,7 +1,8 @@
 """Gate: every new adapter version is evaluated against production before it can serve.
 
 Subscribes: `<prefix>.adapters` (`AdapterTrained` proposed to the gate; snapshots, with
-            `gate` false, are skipped), group `gate.group_id`.
+            `gate` false, are skipped unless the validation pass proposes one:
+            `CandidateProposed`), group `gate.group_id`.
 Writes:     `baselines` (the base model on each new eval set, once: the trainer reads the
             recommended first stage), `eval_runs` (every round of every side, cached),
             `gate_status` (what it is doing, samples done / planned, the eval set's MDE),
@@ -37,7 +38,7 @@ from faststream.kafka.annotations import KafkaMessage
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
 from flywheel.errors import describe
-from flywheel.events import AdapterTrained
+from flywheel.events import AdapterTrained, CandidateProposed
 from flywheel.gate.service import GateService
 from flywheel.gate.service import describe as describe_events
 from flywheel.policy.factory import make_policy
@@ -69,9 +70,12 @@ def build_app(settings: Settings) -> FastStream:
         # than being decided blind. A broken lifecycle invariant is permanent: parked.
         for record in records:
             event = read_event(record)
-            if not isinstance(event, AdapterTrained):
+            if isinstance(event, CandidateProposed):  # a snapshot validation chose
+                events = await gate.on_proposed(event.payload)
+            elif isinstance(event, AdapterTrained):
+                events = await gate.on_trained(event.payload)
+            else:
                 continue
-            events = await gate.on_trained(event.payload)
             log.info("%s@v%d: %s", event.payload.policy, event.payload.version,
                      describe_events(events))
 

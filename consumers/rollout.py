@@ -7,6 +7,10 @@ Writes:     `rollout_groups`, `task_stats`, `rollout_requests.status`, `dead_let
             (consumer `rollout`), `events` + `outbox`.
 Publishes (through the outbox): `GroupScored` → `<prefix>.rollouts`, trainable groups only;
             `RecordParked` → `<prefix>.parked`.
+Validation: also subscribes to `<prefix>.adapters` (`AdapterTrained`), group
+            `validation.group_id`, and scores each published version on the validation tasks
+            (`flywheel.validation.scoring`: writes `validation_runs`, `validation_status`;
+            publishes `ValidationScored`, `CandidateProposed`, `OverfittingDetected`).
 
 Before sampling, a worker waits while the untrained backlog is at max_staleness × B groups
 (admission control). The request's offset is committed only after its group is recorded.
@@ -31,7 +35,7 @@ from flywheel.adapters.resolver import AdapterResolver
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
 from flywheel.errors import Failure, InvalidRecord
-from flywheel.events import RolloutRequested
+from flywheel.events import AdapterTrained, RolloutRequested
 from flywheel.policy.base import Policy
 from flywheel.policy.factory import make_policy
 from flywheel.rollout.service import handle_request, mark_failed, worker_name
@@ -47,6 +51,7 @@ from flywheel.runtime.consume import (
 )
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
 from flywheel.runtime.service import run_faststream
+from flywheel.validation.scoring import ValidationPass
 
 log = logging.getLogger("flywheel.rollout")
 
@@ -93,6 +98,23 @@ def build_app(settings: Settings) -> FastStream:
                slow=True)
     async def rollout(body: Any, msg: KafkaMessage) -> None:
         await handle(records_of(body), msg.consumer, serve, park, retry, logger=log)
+
+    validation = ValidationPass(settings, engine, policy)
+
+    async def validate_each(records: Sequence[ConsumerRecord[bytes, bytes]]) -> None:
+        for record in records:
+            event = read_event(record)
+            if isinstance(event, AdapterTrained):
+                done = await validation.on_trained(event.payload)
+                log.info("validation of %s: %s", event.aggregate_id,
+                         ", ".join(e.type for e in done) or "no validation split yet")
+
+    # One worker of the group scores each published version, on this worker's engine.
+    @subscribe(broker, settings.topics.adapters, settings, settings.validation.group_id,
+               slow=True)
+    async def validate(body: Any, msg: KafkaMessage) -> None:
+        await handle(records_of(body), msg.consumer, validate_each,
+                     parker(engine, "validation", settings.topics), retry, logger=log)
 
     app = FastStream(broker, logger=log)
 

@@ -2,13 +2,17 @@
 
 Reads:      `tasks`, `task_stats`, `rollout_requests`, `rollout_groups` (backlog),
             `adapter_versions` (the newest version is sampled).
-Writes:     `rollout_requests`, `events` + `outbox`.
+Writes:     `rollout_requests`, `validation_tasks`, `validation_status` (a pause ends),
+            `events` + `outbox`.
 Publishes (through the outbox): `RolloutRequested` → `<prefix>.rollout.requests`.
 
 It tops up requests so that outstanding requests plus the untrained backlog stay within
 max_staleness × B groups: sampling never runs further ahead of training than that. While
 the trainer's warm start is under way (waiting for the baseline, or SFT) it requests
-nothing: those groups would come from a policy about to be replaced.
+nothing: those groups would come from a policy about to be replaced. Before picking, it
+tops up the validation split (`flywheel.validation.split`: tasks never sampled for
+training), and it never picks a validation task; while the validation pass reports
+overfitting it requests nothing until the miner adds tasks.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from flywheel.rollout.select import pick_tasks
 from flywheel.runtime.endpoints import resolve_db_url
 from flywheel.runtime.service import pause, run_loop
 from flywheel.trainer.store import trainer_state
+from flywheel.validation import split as validation_split
+from flywheel.validation import store as validation_store
 
 log = logging.getLogger("flywheel.scheduler")
 
@@ -42,12 +48,20 @@ async def schedule_once(engine: AsyncEngine, settings: Settings, rng: random.Ran
         expired = await store.expire_requests(conn, older_than_s=3 * cfg.rollout_timeout_s)
         if expired:
             log.warning("expired %d unanswered rollout requests", expired)
+        # First, even while nothing is requested: the SFT warm start must not learn from
+        # a task that validation will judge it on (its demonstrations skip them).
+        added = await validation_split.assign(conn, settings.validation, cfg.envs)
+        if added:
+            log.info("set aside %d more tasks for validation", added)
         room = budget - await store.backlog(conn) - await store.outstanding(conn)
         if room <= 0:
             return 0
         version = await registry.newest_version(conn, settings.policy)
         if version is None and await _warm_starting(conn, settings):
             return 0
+        if await validation_store.paused(conn, settings.policy,
+                                         settings.validation.resume_new_tasks):
+            return 0  # overfitting: more tasks, not more steps (docs/VALIDATION.md)
         picked = pick_tasks(await store.candidate_stats(conn, cfg.envs), room, rng,
                             explore_share=cfg.explore_share, min_attempts=cfg.group_size)
         await store.request_rollouts(conn, picked, version, settings.topics)

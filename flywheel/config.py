@@ -420,6 +420,45 @@ class StackSettings(BaseModel):
     a lost broker held) and the broker's memory."""
 
 
+class ValidationSettings(BaseModel):
+    """The validation split and the validation pass (`flywheel.validation`): a share of the
+    training tasks the trainer never updates on, every published version scored on it, and
+    GRPO candidates chosen by it. The frozen holdout is never used here."""
+
+    share: float = Field(default=0.15, ge=0.0, le=0.5)
+    """Share of the training tasks set aside for validation (stratified by failure mode and
+    expected tool; assigned once, from tasks never sampled for training). 0 = no split, and
+    candidates are proposed by `trainer.propose_min_groups` as before."""
+    min_tasks: int = Field(default=8, ge=1)
+    """At least this many validation tasks, and no split at all (candidates by
+    `trainer.propose_min_groups`) until the pool can give them while keeping two thirds
+    of its tasks for training."""
+    group_id: str = "flywheel-validation"
+    """Consumer group of the validation pass (run by the rollout workers: one of them
+    scores each published version)."""
+    samples: int = Field(default=1, ge=1, le=8)
+    """Attempts per validation task and version (fixed sample indices and seeds)."""
+    temperature: float = Field(default=0.0, ge=0.0)
+    """0 = greedy (one attempt per task is then enough: the pass is deterministic)."""
+    seed: int = 2027
+    """Seed of the validation attempts (the same for every version: attempts pair up)."""
+    margin: float = Field(default=0.02, ge=0.0)
+    """A GRPO version is proposed when its validation success beats production's on the
+    same tasks by at least this much (absolute) ..."""
+    alpha: float = Field(default=0.2, gt=0.0, le=0.5)
+    """... and a one-sided paired test over the tasks has p ≤ alpha: a loose screen, since
+    the gate's holdout test decides; it only spares the gate versions with no sign of a
+    gain."""
+    overfit_versions: int = Field(default=4, ge=2)
+    """Overfitting: for this many GRPO versions validation did not beat its earlier best
+    while training reward rose by at least `overfit_train_rise`."""
+    overfit_train_rise: float = Field(default=0.05, ge=0.0)
+    """Rise of training reward (mean group reward trained into a version) over the window."""
+    resume_new_tasks: int = Field(default=10, ge=1)
+    """Overfitting pauses sampling (the scheduler requests nothing) until the miner added
+    this many training tasks: more tasks, not more steps, is what helps (docs/VALIDATION.md)."""
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="FLYWHEEL_", env_nested_delimiter="__", extra="ignore"
@@ -439,6 +478,7 @@ class Settings(BaseSettings):
     trainer: TrainerSettings = Field(default_factory=TrainerSettings)
     artifacts: ArtifactSettings = Field(default_factory=ArtifactSettings)
     gate: GateSettings = Field(default_factory=GateSettings)
+    validation: ValidationSettings = Field(default_factory=ValidationSettings)
     retry: RetrySettings = Field(default_factory=RetrySettings)
     relay: RelaySettings = Field(default_factory=RelaySettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
@@ -498,7 +538,9 @@ class Topics(BaseModel, frozen=True):
                  "TaskCreated": self.tasks, "EvalSetFrozen": self.tasks,
                  "RolloutRequested": self.rollout_requests, "GroupScored": self.rollouts,
                  **dict.fromkeys(("AdapterTrained", "AdapterEvaluated", "AdapterPromoted",
-                                  "AdapterRejected", "AdapterRolledBack", "ServingSwitched"),
+                                  "AdapterRejected", "AdapterRolledBack", "ServingSwitched",
+                                  "ValidationScored", "CandidateProposed",
+                                  "OverfittingDetected"),
                                  self.adapters)}
         try:
             return route[event_type]

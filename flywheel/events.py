@@ -389,6 +389,9 @@ class AdapterEvaluatedPayload(GateDecision):
     """Production when the evaluation ran (None = the base model)."""
     eval_set_version: int
     mode: Literal["auto", "manual"]
+    selected_by: str | None = None
+    """How the candidate was selected, in words: by the validation pass (its gain over
+    production on the validation tasks) or by the trainer at publication. Never holdout."""
 
 
 class AdapterEvaluated(_Event):
@@ -470,15 +473,83 @@ class ServingSwitched(_Event):
     payload: ServingSwitchedPayload
 
 
+class ValidationScoredPayload(_Payload):
+    policy: str
+    version: int | None
+    """None = the base model (production before any promotion)."""
+    tasks: int
+    samples: int
+    success_rate: float
+    reward_mean: float
+    train_reward: float | None
+    """Mean reward of the groups trained into the version (None: SFT, base, production)."""
+    seconds: float
+    """Wall time of the pass (0 when it came from the cache)."""
+
+
+class ValidationScored(_Event):
+    """A published version was scored on the validation tasks (never holdout tasks)."""
+
+    type: Literal["ValidationScored"] = "ValidationScored"
+    payload: ValidationScoredPayload
+
+
+class CandidateProposedPayload(_Payload):
+    policy: str
+    version: int
+    production_version: int | None
+    """Production it was compared with on the validation tasks (None = the base model)."""
+    tasks: int
+    """Validation tasks both sides were scored on (same tasks, indices and seeds)."""
+    candidate_success: float
+    production_success: float
+    gain: float
+    p_value: float
+    """One-sided paired test over the tasks (`flywheel.validation.select.paired_gain`)."""
+    margin: float
+    alpha: float
+    considered: list[int]
+    """The versions since the last proposal it was the best of."""
+    reason: str
+
+
+class CandidateProposed(_Event):
+    """The validation pass proposed a snapshot to the gate (its status becomes
+    `candidate`): the best version since the last proposal, ahead of production."""
+
+    type: Literal["CandidateProposed"] = "CandidateProposed"
+    payload: CandidateProposedPayload
+
+
+class OverfittingDetectedPayload(_Payload):
+    policy: str
+    versions: list[int]
+    train_reward: list[float]
+    validation_success: list[float]
+    best_version: int | None
+    """The best version by validation (what a proposal would take)."""
+    action: Literal["pause_for_tasks"]
+    """The policy acted on: sampling pauses until the miner adds tasks."""
+    detail: str
+
+
+class OverfittingDetected(_Event):
+    """Training reward rose while validation did not for `validation.overfit_versions`."""
+
+    type: Literal["OverfittingDetected"] = "OverfittingDetected"
+    payload: OverfittingDetectedPayload
+
+
 LIFECYCLE_EVENTS = ("AdapterTrained", "AdapterEvaluated", "AdapterPromoted", "AdapterRejected",
-                    "AdapterRolledBack", "ServingSwitched")
+                    "AdapterRolledBack", "ServingSwitched", "CandidateProposed")
 """Event types whose projections (`adapter_versions`, `evaluations`, `production`,
 `serving_state`) `flywheel replay` rebuilds."""
 
 Event = Annotated[DeadLettered | RecordParked | TrajectoriesIngested | FeedbackReceived
                   | TaskCreated | EvalSetFrozen | RolloutRequested | GroupScored
                   | AdapterTrained | AdapterEvaluated | AdapterPromoted | AdapterRejected
-                  | AdapterRolledBack | ServingSwitched,
+                  | AdapterRolledBack | ServingSwitched | ValidationScored
+                  | CandidateProposed | OverfittingDetected,
                   Field(discriminator="type")]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 

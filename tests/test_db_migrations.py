@@ -33,7 +33,8 @@ async def test_upgrade_head_on_empty_database_then_no_drift(postgres: LocalPostg
                       "eval_set_tasks", "task_stats", "rollout_requests", "rollout_groups",
                       "adapter_versions", "trainer_status", "evaluations", "production",
                       "serving_state", "eval_runs", "baselines", "feedback",
-                      "trajectory_outcomes", "gate_status", "otel_spans"}
+                      "trajectory_outcomes", "gate_status", "validation_tasks",
+                      "validation_runs", "validation_status", "candidate_selections", "otel_spans"}
 
 
 def test_revisions_form_one_line() -> None:
@@ -42,6 +43,7 @@ def test_revisions_form_one_line() -> None:
     from alembic.script import ScriptDirectory
 
     script = ScriptDirectory.from_config(migrate.alembic_config("postgresql://unused"))
-    assert script.get_heads() == ["0013"]
+    revisions = sorted((rev.revision for rev in script.walk_revisions()), reverse=True)
+    assert script.get_heads() == [revisions[0]]
     chain = [rev.revision for rev in script.walk_revisions()]
-    assert chain == ["0013"] + [f"{n:04d}" for n in range(8, 0, -1)]
+    assert chain == revisions  # numbered in order, each the parent of the next

@@ -30,7 +30,7 @@ LAYERS: dict[str, int] = {
     # 2: domain stores and the processes' pure parts
     "adapters": 2, "ingest": 2, "mining": 2, "producers": 2,
     # 3: the loop's roles
-    "rollout": 3, "trainer": 3, "gate": 3,
+    "rollout": 3, "trainer": 3, "gate": 3, "validation": 3,
     # 4: what operators and the HTTP process use
     "api": 4, "demo": 4, "bench": 4, "cli": 4,
     # 5: the service entry points; nothing imports them
@@ -40,6 +40,7 @@ SAME_LAYER_ALLOWED = {
     ("runtime", "db"),        # `flywheel up` migrates the database it starts
     ("producers", "ingest"),  # the SDK and replay validate exactly as ingest decodes
     ("gate", "rollout"),      # the gate evaluates by running rollout groups
+    ("validation", "gate"),   # the validation pass scores with the gate's round machinery
     ("cli", "api"), ("cli", "demo"), ("cli", "bench"), ("bench", "demo"),
     ("demo", "api"),
     ("schemas", "formats"),   # the wire format converts what agents log (pure dict → dict)

@@ -33,12 +33,14 @@ from flywheel.events import (
     AdapterRolledBack,
     AdapterRolledBackPayload,
     AdapterTrained,
+    CandidateProposed,
     Event,
     ServingSwitched,
     parse_event,
 )
 
-PROJECTIONS = ("evaluations", "production", "serving_state", "adapter_versions")
+PROJECTIONS = ("evaluations", "production", "serving_state", "adapter_versions",
+               "candidate_selections")
 
 
 class LifecycleError(PermanentError, RuntimeError):
@@ -90,6 +92,15 @@ async def project(conn: AsyncConnection, event: Event) -> None:
         if b.from_version is not None:
             await _set_status(conn, b.policy, b.from_version, "rolled_back")
         await _supersede_pending(conn, b.policy)
+    elif isinstance(event, CandidateProposed):
+        c = event.payload  # a snapshot the validation pass chose becomes a candidate
+        await conn.execute(text("""UPDATE adapter_versions SET status = 'candidate'
+            WHERE policy = :p AND version = :v AND status = 'snapshot'"""),
+            {"p": c.policy, "v": c.version})
+        await conn.execute(text("""INSERT INTO candidate_selections (policy, version,
+                selection, created_at) VALUES (:p, :v, CAST(:s AS jsonb), :at)
+            ON CONFLICT DO NOTHING"""),
+            {"p": c.policy, "v": c.version, "s": c.model_dump_json(), "at": event.occurred_at})
     elif isinstance(event, ServingSwitched):
         s = event.payload
         await conn.execute(text("""INSERT INTO serving_state (policy, version, served_name,
@@ -320,7 +331,7 @@ def version_label(version: int | None) -> str:
 async def replay(conn: AsyncConnection) -> int:
     """Drop every lifecycle projection and rebuild it from the event log, in log order."""
     await conn.execute(text("LOCK TABLE production, evaluations, serving_state, "
-                            "adapter_versions IN ACCESS EXCLUSIVE MODE"))
+                            "adapter_versions, candidate_selections IN ACCESS EXCLUSIVE MODE"))
     for table in PROJECTIONS:
         await conn.execute(text(f"DELETE FROM {table}"))
     rows = (await conn.execute(text("""SELECT type, aggregate_id, event_id, occurred_at,
@@ -338,7 +349,8 @@ async def replay(conn: AsyncConnection) -> int:
 async def snapshot(conn: AsyncConnection) -> dict[str, list[dict[str, Any]]]:
     """Every lifecycle projection row, in a stable order (what `replay` must reproduce)."""
     order = {"evaluations": "evaluation_id", "production": "policy",
-             "serving_state": "policy", "adapter_versions": "policy, version"}
+             "serving_state": "policy", "adapter_versions": "policy, version",
+             "candidate_selections": "policy, version"}
     out: dict[str, list[dict[str, Any]]] = {}
     for table in PROJECTIONS:
         rows = (await conn.execute(text(f"SELECT * FROM {table} ORDER BY {order[table]}")

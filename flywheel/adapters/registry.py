@@ -106,3 +106,20 @@ async def gate_activity(conn: AsyncConnection, policy: str) -> dict[str, Any] | 
                           f"{data['state']} (is the gate running?)")
         data["state"] = "down"
     return data
+
+
+async def selected_by(conn: AsyncConnection, policy: str, version: int) -> str:
+    """How `version` became a candidate, in words (the decision record keeps it): chosen by
+    the validation pass (validation tasks only, never the holdout), or proposed by the
+    trainer when it published the version."""
+    row = (await conn.execute(text("""SELECT s.selection, a.stage FROM adapter_versions a
+        LEFT JOIN candidate_selections s USING (policy, version)
+        WHERE a.policy = :p AND a.version = :v"""), {"p": policy, "v": version})).first()
+    if row is None:
+        return "unknown: the version is not registered"
+    if row.selection is not None:
+        return f"validation: {row.selection['reason']}"
+    if row.stage == "sft":
+        return "trainer: the SFT warm start, proposed at publication"
+    return ("trainer: proposed at publication (trainer.propose_min_groups; no validation "
+            "split), or by an operator")

@@ -36,7 +36,7 @@ log = logging.getLogger("flywheel.api")
 SCRAPE_DB_TIMEOUT_S = 5.0
 
 TRAINER_STATES = ("absent", "starting", "waiting", "training", "starved", "stalled",
-                  "stopped", "down")
+                  "overfitting", "stopped", "down")
 GATE_STATES = ("absent", "idle", "baseline", "evaluating", "down")
 ADAPTER_STATUSES = ("candidate", "snapshot", "evaluated", "promoted", "rejected",
                     "rolled_back")
@@ -130,7 +130,7 @@ def families(snap: dict[str, Any] | None, lag: dict[str, dict[str, Any]],
     gauge("flywheel_failures_unverifiable",
           "Mined failures with no way to verify them (not tasks, may still be upgraded).",
           snap["unverifiable"])
-    splits = {"train": 0, "holdout": 0, **snap["tasks_by_split"]}
+    splits = {"train": 0, "validation": 0, "holdout": 0, **snap["tasks_by_split"]}
     labelled(GaugeMetricFamily, "flywheel_tasks", "Verifiable tasks by split.", "split",
              splits.items())
     dead = CounterMetricFamily(
@@ -159,6 +159,21 @@ def families(snap: dict[str, Any] | None, lag: dict[str, dict[str, Any]],
           snap["groups_backlog"])
     gauge("flywheel_rollout_requests_outstanding", "Rollout requests not yet answered.",
           snap["requests_outstanding"])
+    validation = snap["validation"]
+    labelled(GaugeMetricFamily, "flywheel_validation_state",
+             "1 for the validation pass's state (`overfitting`: training reward rose while "
+             "validation did not; sampling paused until the miner adds tasks).", "state",
+             [(s, 1.0 if s == validation["state"] else 0.0)
+              for s in ("absent", "ok", "overfitting")])
+    newest = validation["newest"]
+    if newest is not None:
+        gauge("flywheel_validation_success",
+              "Validation success of the newest scored adapter version.",
+              newest["validation_success"])
+        if newest["gap"] is not None:
+            gauge("flywheel_validation_gap",
+                  "Training reward minus validation success of the newest scored version.",
+                  newest["gap"])
     trainer = snap["trainer"]
     states = [*TRAINER_STATES, *([trainer["state"]] if trainer["state"] not in
                                  TRAINER_STATES else [])]

@@ -23,6 +23,7 @@ from flywheel.db.engine import make_engine
 from flywheel.runtime.endpoints import StackNotRunning, read_run, resolve_bootstrap, resolve_db_url
 from flywheel.runtime.kafka import consumer_groups, group_lag
 from flywheel.runtime.logs import mask_secrets, mask_text
+from flywheel.validation import store as validation_store
 
 _COUNTS = text("""
 SELECT (SELECT count(*) FROM trajectories)                          AS trajectories,
@@ -59,7 +60,8 @@ SELECT (SELECT count(*) FROM trajectories)                          AS trajector
        (SELECT count(*) FROM evaluations WHERE state = 'pending')   AS pending_reviews
 """)
 _MODES = text("SELECT failure_mode, count(*) FROM failures GROUP BY 1 ORDER BY 1")
-_SPLITS = text("SELECT split, count(*) FROM tasks GROUP BY 1 ORDER BY 1")
+_SPLITS = text("""SELECT CASE WHEN v.task_id IS NOT NULL THEN 'validation' ELSE t.split END,
+    count(*) FROM tasks t LEFT JOIN validation_tasks v USING (task_id) GROUP BY 1 ORDER BY 1""")
 _TRAINER = text("""
 SELECT state, detail, version, steps, stale_dropped, metrics,
        extract(epoch FROM now() - updated_at) AS heartbeat_age_s
@@ -127,7 +129,19 @@ async def counts(conn: AsyncConnection, policy: str) -> dict[str, Any]:
         "tasks_by_split": splits,
         "trainer": _trainer(trainer),
         "gate": await gate(conn, policy),
+        "validation": await validation(conn, policy),
     }
+
+
+async def validation(conn: AsyncConnection, policy: str) -> dict[str, Any]:
+    """The validation pass: `state` (`absent` before any validation split, `ok`,
+    `overfitting`: sampling paused until the miner adds tasks), `detail`, `tasks` (the
+    validation split) and the newest scored version with its training reward and gap."""
+    st = await validation_store.status(conn, policy)
+    curve = await validation_store.curve_rows(conn, policy)
+    return {"state": st["state"] if st else "absent", "detail": st["detail"] if st else None,
+            "tasks": await validation_store.validation_count(conn),
+            "newest": curve[-1] if curve else None}
 
 
 async def lag(settings: Settings) -> dict[str, dict[str, Any]]:
@@ -219,6 +233,8 @@ async def collect(settings: Settings) -> dict[str, Any]:
     state `down` when its heartbeat is older than 30 s), gate (state `idle`, `baseline`,
     `evaluating`, `down` or `absent`; the candidate, samples done / planned, elapsed_s, the
     newest eval set's power record with its MDE, and `warning`), lag (per consumer group),
+    validation (state `absent`, `ok` or `overfitting`, detail, tasks, the newest scored
+    version's validation success, training reward and gap),
     dependencies (`postgres` / `kafka`: up, error), stack (the local supervisor's view, or
     null). While Postgres is down only lag, dependencies and stack are there."""
     (data, db_error), (lags, lag_error) = await asyncio.gather(
@@ -247,6 +263,7 @@ async def overview(conn: AsyncConnection, settings: Settings) -> dict[str, Any]:
                           "reward_mean": _number(a["metrics"].get("reward_mean")),
                           "loss": _number(a["metrics"].get("loss"))} for a in adapters],
         "holdout_curve": holdout,
+        "validation_curve": await validation_store.curve_rows(conn, policy),
         "failure_breakdown": breakdown,
         "baseline": await latest_baseline(conn, policy),
     }

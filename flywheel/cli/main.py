@@ -164,7 +164,7 @@ def status(as_json: JsonOpt = False) -> None:
 def _print_status(data: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from flywheel.cli.review import gate_lines
+    from flywheel.cli.review import gate_lines, validation_line
 
     table = Table(title="flywheel status", show_header=False)
     for name, dep in data["dependencies"].items():
@@ -185,6 +185,8 @@ def _print_status(data: dict[str, Any]) -> None:
     if "gate" in data:
         for key, value in gate_lines(data["gate"]):
             table.add_row(key, value)
+    if "validation" in data:
+        table.add_row(*validation_line(data["validation"], data.get("tasks_by_split") or {}))
     stack = data.get("stack") or {}
     for name, info in (stack.get("components") or {}).items():
         state = info.get("state")
@@ -246,7 +248,8 @@ def simulate(
 
 @tasks_app.command("ls")
 def tasks_ls(
-    split: Annotated[str | None, typer.Option(help="train or holdout")] = None,
+    split: Annotated[str | None, typer.Option(
+        help="train, validation (training tasks never trained on) or holdout")] = None,
     env: Annotated[str | None, typer.Option(help="Environment name.")] = None,
     limit: Annotated[int, typer.Option(help="Most rows.")] = 50,
     as_json: JsonOpt = False,

@@ -51,6 +51,25 @@ def _evaluation_id(conn: Any, ref: str) -> Any:
     return go()
 
 
+def validation_line(v: dict[str, Any], splits: dict[str, int]) -> tuple[str, str]:
+    """`flywheel status`'s validation row: the split, the state, the newest version's
+    validation success against its training reward."""
+    if v["state"] == "absent" and not v["tasks"]:
+        return "validation", ("no validation split yet (candidates by "
+                              "trainer.propose_min_groups)")
+    colour = "red" if v["state"] == "overfitting" else "green"
+    text = (f"{v['tasks']} tasks (train {splits.get('train', 0)}, holdout "
+            f"{splits.get('holdout', 0)}); [{colour}]{v['state']}[/{colour}]")
+    n = v.get("newest")
+    if n:
+        train = "" if n["train_reward"] is None else (
+            f", training reward {n['train_reward']:.2f} (gap {n['gap']:+.2f})")
+        text += f"; v{n['version']}: validation {n['validation_success']:.2f}{train}"
+    if v.get("detail"):
+        text += f" — {v['detail']}"
+    return "validation", text
+
+
 def gate_lines(gate: dict[str, Any]) -> list[tuple[str, str]]:
     """`flywheel status` rows of the gate: its activity and what the eval set can see."""
     state = gate["state"]
@@ -175,25 +194,35 @@ def promotions_reject(evaluation: str, reason: Reason, as_json: JsonOpt = False)
 
 @adapters_app.command("ls")
 def adapters_ls(as_json: JsonOpt = False) -> None:
-    """Every version: lineage, stage, status, holdout success; production marked."""
+    """Every version: lineage, stage, status, training reward, validation success and the
+    gap between them, holdout success; production marked."""
     from flywheel.adapters.queries import list_adapters, production
+    from flywheel.validation.store import curve_rows
 
     policy = _settings().policy
 
     async def go(conn: Any) -> Any:
+        curve = {r["version"]: r for r in await curve_rows(conn, policy)}
+        none = dict.fromkeys(("train_reward", "validation_success", "gap"))
         return {"production": await production(conn, policy),
-                "adapters": await list_adapters(conn, policy)}
+                "adapters": [{**a, **{k: curve.get(a["version"], none)[k] for k in none}}
+                             for a in await list_adapters(conn, policy)]}
 
     data = _db_call(go)
     if as_json:
         print_result(data, True)
         return
-    table = Table("", "version", "parent", "stage", "steps", "status", "holdout success")
+    table = Table("", "version", "parent", "stage", "steps", "status", "train reward",
+                  "validation", "gap", "holdout success")
+
+    def num(x: float | None, fmt: str = ".2f") -> str:
+        return "" if x is None else format(x, fmt)
+
     for a in data["adapters"]:
-        success = a["holdout_success"]
         table.add_row("★" if a["production"] else "", f"v{a['version']}",
                       version_label(a["parent_version"]), a["stage"], str(a["steps"]), a["status"],
-                      "" if success is None else f"{success:.2f}")
+                      num(a["train_reward"]), num(a["validation_success"]), num(a["gap"], "+.2f"),
+                      num(a["holdout_success"]))
     Console().print(table)
     p = data["production"]
     console.print(f"production: {version_label(p['version'])}; serving: "

@@ -464,7 +464,8 @@ class TrainerStatusRow(Base):
 
     policy: Mapped[str] = mapped_column(Text, primary_key=True)
     state: Mapped[str] = mapped_column(Text)
-    """`starting`, `waiting` (batch filling), `training`, `starved`, `stalled`, `stopped`."""
+    """`starting`, `waiting` (batch filling), `training`, `starved`, `stalled`, `stopped`,
+    `overfitting` (idle: the validation pass paused sampling until more tasks are mined)."""
     detail: Mapped[str | None] = mapped_column(Text)
     version: Mapped[int | None] = mapped_column(Integer)
     steps: Mapped[int] = mapped_column(Integer, server_default=text("0"))
@@ -490,3 +491,68 @@ class OtelSpanRow(Base):
     )
 
     __table_args__ = (Index("ix_otel_spans_trace_id", "trace_id"),)
+
+
+class ValidationTaskRow(Base):
+    """The validation split: training tasks the trainer never updates on (sticky once
+    assigned; `flywheel.validation.split`). The frozen holdout is never among them."""
+
+    __tablename__ = "validation_tasks"
+
+    task_id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("tasks.task_id"), primary_key=True)
+    stratum: Mapped[str] = mapped_column(Text)
+    """`<failure mode>|<tool>`: what the share is stratified by."""
+    assigned_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now())
+
+
+class ValidationRunRow(Base):
+    """One version scored on the validation tasks (cache keyed like the gate's rounds)."""
+
+    __tablename__ = "validation_runs"
+
+    key: Mapped[str] = mapped_column(Text, primary_key=True)
+    policy: Mapped[str] = mapped_column(Text)
+    version: Mapped[int | None] = mapped_column(Integer)
+    """None = the base model (production before any promotion)."""
+    tasks: Mapped[int] = mapped_column(Integer)
+    samples: Mapped[int] = mapped_column(Integer)
+    success_rate: Mapped[float] = mapped_column(Float)
+    reward_mean: Mapped[float] = mapped_column(Float)
+    seconds: Mapped[float] = mapped_column(Float)
+    """Wall time of the pass (what validation cost this version)."""
+    result: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now())
+
+    __table_args__ = (Index("ix_validation_runs_policy", "policy", "version"),)
+
+
+class ValidationStatusRow(Base):
+    """The validation pass's state per policy: `ok`, `overfitting` (sampling paused until
+    the pool grows), with the train-task count the pause waits to see grow."""
+
+    __tablename__ = "validation_status"
+
+    policy: Mapped[str] = mapped_column(Text, primary_key=True)
+    state: Mapped[str] = mapped_column(Text)
+    detail: Mapped[str | None] = mapped_column(Text)
+    train_tasks: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    """Train tasks when the state was entered (an overfitting pause ends once it grows)."""
+    after_version: Mapped[int | None] = mapped_column(Integer)
+    """The overfitting alarm looks only at versions after this one (set when a pause
+    ends: the versions before it were already judged)."""
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class CandidateSelectionRow(Base):
+    """How a version became a candidate when validation chose it (a projection of
+    `CandidateProposed`); versions the trainer proposed at publication have no row."""
+
+    __tablename__ = "candidate_selections"
+
+    policy: Mapped[str] = mapped_column(Text, primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    selection: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

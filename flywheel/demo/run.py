@@ -123,10 +123,21 @@ DEMO_ENV = {
     # +8.7 on the same pairs, promoted after 3 rounds, MDE 0.085 / 0.064). Groups of a
     # nearly perfect policy are all successes: zero advantage, nothing for GRPO to learn.
     "FLYWHEEL_TRAINER__SFT_STEPS": "8",
-    # Rollouts sample a fresh snapshot every 2 steps; a GRPO version goes to the gate once
-    # 24 groups (6 steps) were trained since the last candidate and none is waiting.
+    # Rollouts sample a fresh snapshot every 2 steps; every one is scored on the validation
+    # tasks and the best since the last proposal goes to the gate once it beats production
+    # there (docs/VALIDATION.md). The demo's ~26 tool_call training tasks give 7 validation
+    # tasks at 25% (at least 6; no split below 18 training tasks, and then a GRPO version
+    # goes to the gate after 24 trained groups, as before). Two attempts per task at the
+    # gate's temperature (14 per version, a third of one gate round on 11 tasks × 2 × 2
+    # sides) resolve more than greedy on so few tasks, and the screen is looser (α 0.3):
+    # it only decides what the gate spends its holdout samples on.
     "FLYWHEEL_TRAINER__PUBLISH_EVERY": "2",
     "FLYWHEEL_TRAINER__PROPOSE_MIN_GROUPS": "24",
+    "FLYWHEEL_VALIDATION__SHARE": "0.25",
+    "FLYWHEEL_VALIDATION__MIN_TASKS": "6",
+    "FLYWHEEL_VALIDATION__SAMPLES": "2",
+    "FLYWHEEL_VALIDATION__TEMPERATURE": "0.7",
+    "FLYWHEEL_VALIDATION__ALPHA": "0.3",
 }
 
 
@@ -159,6 +170,7 @@ async def _watch(settings: Settings, deadline: float) -> Any:
 
     engine = make_engine(resolve_db_url(settings), pool_size=1)
     seen: set[str] = set()
+    snapshots: set[str] = set()  # published as snapshots: validation may propose them later
     t0 = time.monotonic()
     marks: dict[str, float] = {}
     try:
@@ -178,6 +190,13 @@ async def _watch(settings: Settings, deadline: float) -> Any:
                                   f"{p.baseline['reason']}")
                 for a in p.adapters:
                     key = f"v{a['version']}"
+                    if key in snapshots and a["status"] != "snapshot":
+                        snapshots.discard(key)
+                        console.print(f"validation proposed [bold]{key}[/bold] to the gate "
+                                      "(best since the last proposal, ahead of production on "
+                                      "the validation tasks)")
+                    if key not in seen and a["status"] == "snapshot":
+                        snapshots.add(key)
                     if key not in seen:
                         seen.add(key)
                         marks.setdefault(f"first_{a['stage']}_version", now)

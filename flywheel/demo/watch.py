@@ -91,7 +91,9 @@ def decision_line(d: dict[str, Any]) -> str:
     seen = (f", {seq['samples_per_task']} of {power['samples_per_task']} samples per task "
             f"({seq['stop']})" if seq and power else "")
     mde = f", MDE {power['mde']:+.3f}" if power else ""
-    return (f"v{d['version']} ({d.get('stage', '?')}) vs {vs}: holdout success "
+    how = " proposed by validation," if (r.get("selected_by") or "").startswith(
+        "validation") else ""
+    return (f"v{d['version']} ({d.get('stage', '?')}){how} vs {vs}: holdout success "
             f"{b['success_rate']:.2f} → {c['success_rate']:.2f}, p = {r['p_value']:.3f}"
             f"{seen}{mde} → {d['state']}; {r['reasons'][0]}")
 
@@ -119,6 +121,7 @@ def summary(p: Progress, stages: dict[str, float], wall_s: float) -> dict[str, A
             "gain": None if r is None else r["candidate"]["success_rate"]
             - r["baseline"]["success_rate"],
             "stop": None if r is None or not r.get("sequential") else r["sequential"]["stop"],
+            "selected_by": None if r is None else r.get("selected_by"),
             "reasons": ["superseded by a newer version before evaluation"] if r is None
             else r["reasons"]})
     production_success = base if p.production is None else by_version.get(p.production)

@@ -21,7 +21,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from flywheel.adapters import lifecycle, registry
 from flywheel.adapters.resolver import AdapterResolver
 from flywheel.config import Settings
-from flywheel.events import AdapterEvaluatedPayload, AdapterTrainedPayload, Event, LatencyProbe
+from flywheel.events import (
+    AdapterEvaluatedPayload,
+    AdapterTrainedPayload,
+    CandidateProposedPayload,
+    Event,
+    LatencyProbe,
+)
 from flywheel.gate import sequential
 from flywheel.gate.decision import EvalRun, decide, latency_probe, round_counts
 from flywheel.gate.evaluate import (
@@ -144,6 +150,13 @@ class GateService:
             return [event]
         return await self.evaluate_version(trained.version)
 
+    async def on_proposed(self, proposed: CandidateProposedPayload) -> list[Event]:
+        """Gate a snapshot the validation pass proposed (`CandidateProposed`)."""
+        if proposed.policy != self.name:
+            return []
+        status, _ = await self._status(proposed.version)
+        return await self.evaluate_version(proposed.version) if status == "candidate" else []
+
     async def evaluate_version(self, version: int) -> list[Event]:
         """Evaluate `version` against current production and record (and in auto mode carry
         out) the decision. Also how an operator re-evaluates a rolled-back version."""
@@ -158,6 +171,9 @@ class GateService:
             candidate, baseline, probe = await self._rounds(version, production, holdout)
             payload = decision_payload(self.settings, version, production,
                                        holdout.eval_set_version, candidate, baseline, probe)
+            async with self.engine.connect() as conn:
+                how = await registry.selected_by(conn, self.name, version)
+            payload = payload.model_copy(update={"selected_by": how})
             try:
                 async with self.engine.begin() as conn:
                     events = await lifecycle.record_evaluation(

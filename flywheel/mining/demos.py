@@ -182,7 +182,8 @@ FROM tasks t
 LEFT JOIN task_sources s ON s.task_id = t.task_id
 LEFT JOIN failures f ON f.trajectory_id = s.trajectory_id
 LEFT JOIN trajectories tr ON tr.trajectory_id = s.trajectory_id
-WHERE t.split = 'holdout' OR t.task_id IN (SELECT task_id FROM eval_set_tasks)""")
+WHERE t.split = 'holdout' OR t.task_id IN (SELECT task_id FROM eval_set_tasks)
+   OR t.task_id IN (SELECT task_id FROM validation_tasks)""")
 
 _TRAIN_TASKS = text("""
 SELECT t.spec, s.trajectory_id, coalesce(f.record, tr.record) AS record
@@ -192,6 +193,7 @@ LEFT JOIN failures f ON f.trajectory_id = s.trajectory_id
 LEFT JOIN trajectories tr ON tr.trajectory_id = s.trajectory_id
 WHERE t.split = 'train' AND t.env = 'tool_call'
   AND t.task_id NOT IN (SELECT task_id FROM eval_set_tasks)
+  AND t.task_id NOT IN (SELECT task_id FROM validation_tasks)
 ORDER BY t.task_id, s.added_at, s.trajectory_id""")
 
 _SUCCESSES = text("""

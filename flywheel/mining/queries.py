@@ -9,9 +9,11 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 _LIST = text("""
-SELECT t.task_id, t.env, t.failure_mode, t.split, t.expected_from, t.created_at,
-       (SELECT count(*) FROM task_sources s WHERE s.task_id = t.task_id) AS sources
-FROM tasks t
+SELECT * FROM (
+  SELECT t.task_id, t.env, t.failure_mode, t.expected_from, t.created_at,
+         CASE WHEN v.task_id IS NOT NULL THEN 'validation' ELSE t.split END AS split,
+         (SELECT count(*) FROM task_sources s WHERE s.task_id = t.task_id) AS sources
+  FROM tasks t LEFT JOIN validation_tasks v ON v.task_id = t.task_id) t
 WHERE (CAST(:split AS text) IS NULL OR t.split = :split)
   AND (CAST(:env AS text) IS NULL OR t.env = :env)
 ORDER BY t.created_at DESC, t.task_id LIMIT :limit
@@ -27,7 +29,9 @@ async def list_tasks(conn: AsyncConnection, *, split: str | None = None, env: st
 
 async def get_task(conn: AsyncConnection, task_id: uuid.UUID) -> dict[str, Any] | None:
     row = (await conn.execute(text("""
-        SELECT task_id, env, failure_mode, split, expected_from, fingerprint, created_at, spec
+        SELECT task_id, env, failure_mode, expected_from, fingerprint, created_at, spec,
+               CASE WHEN task_id IN (SELECT task_id FROM validation_tasks) THEN 'validation'
+                    ELSE split END AS split
         FROM tasks WHERE task_id = :id"""), {"id": task_id})).mappings().first()
     if row is None:
         return None

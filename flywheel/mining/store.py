@@ -180,18 +180,22 @@ class HoldoutRefused(PermanentError, ValueError):
 
 async def training_tasks(conn: AsyncConnection, *, env: str | None = None, limit: int = 100,
                          task_ids: list[uuid.UUID] | None = None) -> list[TaskSpec]:
-    """Tasks a trainer may use. Asking for a holdout task by id is an error, never silent."""
+    """Tasks a trainer may use. Asking for a holdout or validation task by id is an error,
+    never silent."""
     if task_ids is not None:
         held = list((await conn.execute(text("""
             SELECT task_id FROM tasks WHERE task_id = ANY(CAST(:ids AS uuid[]))
-              AND (split = 'holdout' OR task_id IN (SELECT task_id FROM eval_set_tasks))"""),
+              AND (split = 'holdout' OR task_id IN (SELECT task_id FROM eval_set_tasks)
+                   OR task_id IN (SELECT task_id FROM validation_tasks))"""),
             {"ids": task_ids})).scalars())
         if held:
             raise HoldoutRefused(f"{len(held)} of the requested tasks are held out for "
-                                 f"evaluation and may never be trained on: {held[:5]}")
+                                 f"evaluation or validation and may never be trained on: "
+                                 f"{held[:5]}")
     rows = (await conn.execute(text("""
         SELECT spec FROM tasks
         WHERE split = 'train' AND task_id NOT IN (SELECT task_id FROM eval_set_tasks)
+          AND task_id NOT IN (SELECT task_id FROM validation_tasks)
           AND (CAST(:env AS text) IS NULL OR env = :env)
           AND (CAST(:ids AS uuid[]) IS NULL OR task_id = ANY(CAST(:ids AS uuid[])))
         ORDER BY created_at, task_id LIMIT :limit"""),

@@ -40,13 +40,15 @@ async def outstanding(conn: AsyncConnection) -> int:
 
 async def candidate_stats(conn: AsyncConnection, envs: list[str] | None = None
                           ) -> list[TaskStat]:
-    """Train tasks that are not retired (never holdout, never in a frozen eval set), of the
+    """Train tasks that are not retired (never holdout, never in a frozen eval set, never
+    a validation task), of the
     policy's environments (`envs`; empty or None = all)."""
     rows = (await conn.execute(text("""
         SELECT t.task_id, coalesce(s.attempts, 0), coalesce(s.successes, 0)
         FROM tasks t LEFT JOIN task_stats s ON s.task_id = t.task_id
         WHERE t.split = 'train' AND s.retired IS NULL
           AND t.task_id NOT IN (SELECT task_id FROM eval_set_tasks)
+          AND t.task_id NOT IN (SELECT task_id FROM validation_tasks)
           AND (cardinality(CAST(:envs AS text[])) = 0 OR t.env = ANY(CAST(:envs AS text[])))
           AND t.task_id NOT IN (SELECT task_id FROM rollout_requests
                                 WHERE status = 'requested')"""), {"envs": envs or []})).all()

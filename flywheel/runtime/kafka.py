@@ -26,7 +26,8 @@ def consumer_groups(settings: Settings) -> list[tuple[str, str]]:
             (settings.miner.feedback_group_id, topics.feedback),
             (settings.rollout.group_id, topics.rollout_requests),
             (settings.trainer.group_id, topics.rollouts),
-            (settings.gate.group_id, topics.adapters)]
+            (settings.gate.group_id, topics.adapters),
+            (settings.validation.group_id, topics.adapters)]
 
 
 async def ensure_topics(bootstrap: str, topics: Iterable[str], *, partitions: int,

@@ -255,10 +255,11 @@ class TrainerService:
         if items:
             self.status.last_group_at = time.monotonic()
         done = await self._already_consumed([p.group.group_id for p in items])
+        refused = await self._refuse_validation(items)
         current = self.version or 0
         for p in items:
-            if p.group.group_id in done:
-                continue  # trained into a published version before a crash
+            if p.group.group_id in done or p.group.task_id in refused:
+                continue  # trained into a published version before a crash; or validation
             if current - (p.group.adapter_version or 0) > self.settings.rollout.max_staleness:
                 self.stale.append(p)
             else:
@@ -310,6 +311,21 @@ class TrainerService:
         async with self.engine.connect() as conn:
             return await store.already_trained(conn, ids)
 
+    async def _refuse_validation(self, items: list[_Pending]) -> set[uuid.UUID]:
+        """Validation tasks are never trained on (the scheduler never requests them; a
+        group of one that reaches the trainer anyway is refused, recorded and logged)."""
+        if not items:
+            return set()
+        async with self.engine.begin() as conn:
+            tasks = await store.validation_tasks_among(conn, [p.group.task_id for p in items])
+            bad = [p.group.group_id for p in items if p.group.task_id in tasks]
+            if bad:
+                await store.mark_refused(conn, bad)
+        if bad:
+            log.error("refused %d groups of validation tasks: the trainer never updates on "
+                      "them", len(bad))
+        return tasks
+
     async def _step(self, chunk: list[_Pending]) -> None:
         self.status.state, self.status.step_started_at = "training", time.monotonic()
         try:
@@ -325,9 +341,14 @@ class TrainerService:
                  metrics.get("clip_frac", 0.0), metrics.get("tokens_per_s", 0.0))
 
     async def _propose(self) -> bool:
-        """Whether the next GRPO version goes to the gate (`propose_min_groups`): enough
-        new training since the last candidate, and no earlier candidate still waiting."""
+        """Whether the next GRPO version goes to the gate at publication: never while
+        there is a validation split (the validation pass chooses candidates then); else
+        (`propose_min_groups`) enough new training since the last candidate, and no
+        earlier candidate still waiting."""
         need = self.settings.trainer.propose_min_groups
+        async with self.engine.connect() as conn:
+            if await store.validation_selects(conn, self.settings.validation):
+                return False  # the validation pass proposes (flywheel.validation.scoring)
         if need == 0:
             return True
         if self.groups_since_candidate + len(self.trained) < need:
@@ -460,6 +481,10 @@ class TrainerService:
     async def heartbeat(self) -> None:
         state, detail = self.watch()
         async with self.engine.begin() as conn:
+            if state in ("waiting", "starved"):  # idle because validation paused sampling?
+                paused = await store.overfitting(conn, self.policy)
+                if paused is not None:
+                    state, detail = "overfitting", paused
             await store.write_status(
                 conn, self.policy, state=state, detail=detail, version=self.version,
                 steps=self.trainer.steps if self.trainer else 0,

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from flywheel.config import ValidationSettings
+
 
 async def already_trained(conn: AsyncConnection, group_ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
     """The groups among `group_ids` already consumed (trained into a version or dropped)."""
@@ -67,3 +69,33 @@ async def groups_since_candidate(conn: AsyncConnection, policy: str) -> int:
         WHERE policy = :p AND status = 'snapshot' AND version > coalesce(
             (SELECT max(version) FROM adapter_versions
              WHERE policy = :p AND status <> 'snapshot'), 0)"""), {"p": policy})).scalar_one())
+
+
+async def validation_selects(conn: AsyncConnection, cfg: ValidationSettings) -> bool:
+    """Whether the validation split is in place, so that the validation pass (not the
+    trainer) chooses which GRPO versions go to the gate."""
+    if cfg.share <= 0:
+        return False
+    n = (await conn.execute(text("SELECT count(*) FROM validation_tasks"))).scalar_one()
+    return int(n) >= cfg.min_tasks
+
+
+async def validation_tasks_among(conn: AsyncConnection, task_ids: Sequence[uuid.UUID]
+                                 ) -> set[uuid.UUID]:
+    rows = (await conn.execute(text("""SELECT task_id FROM validation_tasks
+        WHERE task_id = ANY(CAST(:ids AS uuid[]))"""), {"ids": list(task_ids)})).scalars()
+    return set(rows)
+
+
+async def mark_refused(conn: AsyncConnection, group_ids: Sequence[uuid.UUID]) -> None:
+    """Groups of validation tasks: consumed, never trained."""
+    await conn.execute(text("""UPDATE rollout_groups SET trained_at = now(),
+        consumed_as = 'validation' WHERE group_id = ANY(CAST(:ids AS uuid[]))"""),
+        {"ids": list(group_ids)})
+
+
+async def overfitting(conn: AsyncConnection, policy: str) -> str | None:
+    """The validation pass's overfitting alarm while it pauses sampling (None: no pause)."""
+    row = (await conn.execute(text("""SELECT detail FROM validation_status
+        WHERE policy = :p AND state = 'overfitting'"""), {"p": policy})).first()
+    return None if row is None else str(row[0] or "overfitting")

@@ -1,0 +1,93 @@
+"""Candidates chosen by validation, and the overfitting alarm: scripted runs, version by
+version, through the same `judge` the validation pass calls after each published version."""
+
+from __future__ import annotations
+
+from flywheel.validation.select import Score, judge, paired_gain, sign_test
+
+TASKS = [f"t{i:02d}" for i in range(20)]
+
+
+def score(version: int | None, solved: int, train: float | None = None) -> Score:
+    """A version that solves the first `solved` validation tasks (greedy: one attempt)."""
+    return Score(version, {t: [i < solved] for i, t in enumerate(TASKS)}, train)
+
+
+def run(script: list[tuple[int, float]], production: Score, *, gate_busy_until: int = 0
+        ) -> tuple[list[int], list[str]]:
+    """Publish GRPO versions v2, v3, … with (tasks solved on validation, training reward);
+    after each, judge as the validation pass does. A proposal is taken only while the gate
+    has no candidate waiting (it is busy with an earlier one until `gate_busy_until`).
+    Returns (the versions proposed, the overfitting alarms raised)."""
+    curve: list[Score] = []
+    proposed: list[int] = []
+    alarms: list[str] = []
+    last: int | None = 1  # v1: the SFT warm start, proposed by the trainer
+    for n, (solved, train) in enumerate(script):
+        curve.append(score(n + 2, solved, train))
+        out = judge(curve, production, last_proposed=last, margin=0.02, alpha=0.2,
+                    window=4, rise=0.05)
+        if out.proposal is not None and n + 2 > gate_busy_until:
+            proposed.append(out.proposal.version)
+            last = out.proposal.version
+        if out.overfitting:
+            alarms.append(out.overfitting)
+    return proposed, alarms
+
+
+def test_training_reward_rising_with_flat_validation_proposes_nothing_and_alarms() -> None:
+    production = score(1, 8)
+    script = [(8, 0.37 + 0.07 * i) for i in range(8)]  # 0.37 → 0.86, validation flat
+    proposed, alarms = run(script, production)
+    assert proposed == []
+    assert alarms, "the divergence went unnoticed"
+    assert "training reward rose" in alarms[0] and "stayed at or below 0.400" in alarms[0]
+
+
+def test_rising_validation_proposes_the_best_version_since_the_last_proposal() -> None:
+    production = score(1, 8)
+    # v2 = production; v3 one more task (p 0.5: no); v4 +4 tasks while the gate is busy;
+    # v5 slightly worse than v4: once the gate is free the best since v1 is v4, not v5.
+    script = [(8, 0.40), (9, 0.45), (12, 0.50), (11, 0.55)]
+    proposed, alarms = run(script, production, gate_busy_until=4)
+    assert proposed == [4]
+    assert alarms == []
+    # Without a busy gate the first version past the screen goes at once, and v5, worse
+    # than the v4 just proposed, does not follow it.
+    assert run(script, production)[0] == [4]
+
+
+def test_the_newest_proposal_resets_what_is_considered() -> None:
+    production = score(1, 8)
+    script = [(12, 0.4), (12, 0.5), (15, 0.6)]
+    proposed, _ = run(script, production)
+    assert proposed == [2, 4]  # v3 ties v2 (already proposed); v4 is better still
+
+
+def test_sign_test_and_paired_gain_by_hand() -> None:
+    assert sign_test(0, 0) == 1.0
+    assert sign_test(4, 0) == 1 / 16
+    assert sign_test(3, 1) == 5 / 16
+    a = Score(2, {"x": [True, True], "y": [False, False], "z": [True, False]})
+    b = Score(1, {"x": [False, False], "y": [False, False], "z": [True, False], "w": [True]})
+    pr = paired_gain(a, b)  # only the tasks both were scored on
+    assert pr.tasks == 3 and abs(pr.gain - 1 / 3) < 1e-9 and pr.p_value == 0.5
+
+
+def test_a_version_below_production_is_never_proposed() -> None:
+    proposed, _ = run([(6, 0.5), (7, 0.6)], score(1, 8))
+    assert proposed == []
+
+
+def test_status_line_says_overfitting_and_the_gap() -> None:
+    from flywheel.cli.review import validation_line
+
+    newest = {"version": 7, "validation_success": 0.4, "train_reward": 0.86, "gap": 0.46}
+    _, line = validation_line({"state": "overfitting", "detail": "training reward rose",
+                               "tasks": 9, "newest": newest},
+                              {"train": 51, "validation": 9, "holdout": 6})
+    assert "9 tasks (train 51, holdout 6)" in line and "overfitting" in line
+    assert "v7: validation 0.40, training reward 0.86 (gap +0.46)" in line
+    _, none = validation_line({"state": "absent", "detail": None, "tasks": 0, "newest": None},
+                              {})
+    assert "no validation split yet" in none
