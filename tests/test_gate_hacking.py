@@ -266,3 +266,24 @@ def test_review_blocks_a_better_candidate_judged_by_a_gameable_verifier() -> Non
     assert bad.recommendation == "reject"
     assert [r for r in bad.reasons if "canaries failed" in r and "wrong_values" in r]
     assert isinstance(bad.canaries, GateCanaries) and bad.canaries.wrong
+
+
+def test_metrics_families_of_the_newest_decision() -> None:
+    from flywheel.api.hacking_metrics import hacking_families
+
+    figs = {"attempts": 4, "empty_rate": 0.25, "truncated_rate": 0.0, "reply_chars": 12.0,
+            "calls_per_turn": 1.0}
+    found = {f.name: f for f in hacking_families({
+        "canaries": {"checked": 22, "wrong": [{"canary": "wrong_values"}]},
+        "behaviour": {"candidate": figs, "production": {**figs, "empty_rate": 0.0}},
+        "train_gap": 0.2, "fixed": 3, "broken": 1})}
+    value = {(f.name, tuple(s.labels.values())): s.value for f in found.values()
+             for s in f.samples}
+    assert value[("flywheel_last_evaluation_canaries", ("wrong",))] == 1
+    assert value[("flywheel_last_evaluation_canaries", ("checked",))] == 22
+    assert value[("flywheel_last_evaluation_behaviour", ("candidate", "empty_rate"))] == 0.25
+    assert value[("flywheel_last_evaluation_behaviour", ("production", "empty_rate"))] == 0.0
+    assert value[("flywheel_last_evaluation_train_gap", ())] == 0.2
+    assert value[("flywheel_last_evaluation_changed_tasks", ("broken",))] == 1
+    assert hacking_families({"canaries": None, "behaviour": None, "train_gap": None,
+                             "fixed": None}) == []  # a decision from before the checks
