@@ -377,7 +377,8 @@ class CanaryResult(_Payload):
     task_id: str
     canary: str
     """`reference` (known right) or a known-wrong kind: `wrong_tool`, `wrong_values`,
-    `empty`, `prose`, `unsafe_call`, `json_near_miss`, `extra_call`, … (`flywheel.gate.canaries`)."""
+    `empty`, `prose`, `unsafe_call`, `json_near_miss`, `extra_call`, … (see
+    `flywheel.gate.canaries`)."""
     expect: Literal["success", "failure", "unsafe"]
     ok: bool
     got: str

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 from typer.testing import CliRunner
 
 from flywheel.adapters import lifecycle
@@ -105,6 +106,20 @@ async def _gate(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> list[Eve
                                 split="holdout")
                 await store_task(conn, task, uuid.uuid4(), "human_correction", settings.topics)
             await freeze_eval_set(conn, settings.topics)
+            for i in range(3):  # training tasks: two trained on (in v1), one only sampled
+                task = TaskSpec(task_id=uuid.uuid4(), env="tool_call", tools=TOOLS,
+                                messages=[{"role": "user", "content": f"Weather in t{i}?"}],
+                                verifier=ToolCallSpec(expected=ExpectedCall(
+                                    name="get_weather", arguments={"city": f"t{i}"})),
+                                failure_mode="bad_arguments", fingerprint=f"train{i}",
+                                split="train")
+                await store_task(conn, task, uuid.uuid4(), "human_correction", settings.topics)
+                await conn.execute(text("""INSERT INTO rollout_groups (group_id, task_id,
+                    adapter_version, env, scored, not_run, trainable, rollouts, worker,
+                    duration_ms, consumed_as, trained_version) VALUES (:g, :t, NULL,
+                    'tool_call', 4, 0, true, '[]', 'w', 1.0, :c, :v)"""),
+                    {"g": uuid.uuid4(), "t": task.task_id, "c": "trained" if i < 2 else None,
+                     "v": 1 if i < 2 else None})
             event = AdapterTrained(aggregate_id="policy@v1", payload=AdapterTrainedPayload(
                 policy="policy", version=1, parent_version=None, path="/adapters/v1",
                 stage="grpo", steps=1, groups=8, stale_dropped=0, metrics={}))
@@ -123,10 +138,11 @@ async def _gate(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> list[Eve
         await engine.dispose()
 
 
-def _settings(db_url: str, tmp_path: Path) -> Settings:
+def _settings(db_url: str, tmp_path: Path, train_check_tasks: int = 0) -> Settings:
     return Settings(home=tmp_path / "home", db=DbSettings(url=db_url),
                     gate=GateSettings(samples_per_task=8, round_samples=4,
-                                      group_min_samples=10_000, train_check_tasks=0))
+                                      group_min_samples=10_000,
+                                      train_check_tasks=train_check_tasks))
 
 
 def test_a_planted_verifier_bug_blocks_the_promotion(db_url: str, tmp_path: Path,
@@ -144,9 +160,12 @@ def test_a_planted_verifier_bug_blocks_the_promotion(db_url: str, tmp_path: Path
 
 def test_promotions_show_diff_and_report(db_url: str, tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    events = asyncio.run(_gate(_settings(db_url, tmp_path), monkeypatch))
+    events = asyncio.run(_gate(_settings(db_url, tmp_path, train_check_tasks=5), monkeypatch))
     assert [e.type for e in events] == ["AdapterEvaluated", "AdapterPromoted"]
     record = events[0].payload
+    # Its own training tasks (the two trained on, not the one only sampled), one round each.
+    gap = record.train_gap  # type: ignore[union-attr]
+    assert gap is not None and (gap.tasks, gap.samples) == (2, 8)
     assert record.canaries is not None and record.canaries.wrong == []  # type: ignore[union-attr]
     ch = record.changes  # type: ignore[union-attr]
     assert ch is not None and ch.fixed_count > ch.broken_count
@@ -173,7 +192,7 @@ def test_promotions_show_diff_and_report(db_url: str, tmp_path: Path,
     md = report.stdout
     assert md.startswith(f"# Gate decision {record.evaluation_id}")  # type: ignore[union-attr]
     for section in ("## Reasons", "## Checks", "## Verifier canaries", "## Behaviour",
-                    "## What changed", "### Per failure mode", "### Fixed"):
+                    "## Train vs holdout", "## What changed", "### Per failure mode", "### Fixed"):
         assert section in md, section
     assert "| canaries | yes |" in md
 
