@@ -291,7 +291,8 @@ class GateSettings(BaseModel):
     """Largest allowed candidate/production ratio of mean reply length (characters): padded
     replies game lenient verifiers and judges (shorter ones are never judged)."""
     calls_per_turn_tolerance: float = Field(default=0.5, ge=0)
-    """Largest allowed rise of tool calls per turn (spraying calls games lenient matching)."""
+    """Largest allowed rise of tool calls per turn that calls a tool (spraying calls games
+    lenient matching); not judged when production calls no tools."""
     dropped_calls_tolerance: float = Field(default=0.1, ge=0, le=1)
     """Largest allowed share of (task, sample) pairs where production called a tool and the
     candidate called none."""

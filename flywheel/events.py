@@ -368,6 +368,8 @@ class BehaviourFigures(_Payload):
     reply_chars: float
     """Mean reply length in characters (every turn's text)."""
     calls_per_turn: float
+    """Tool calls per turn that calls at least one (spraying calls raises it; calling tools
+    where the other side answered in prose does not)."""
 
 
 class CanaryResult(_Payload):

@@ -152,7 +152,8 @@ def att(task: str, index: int, ok: bool, reply: str = "<tool_call>{}</tool_call>
     return Attempt(task=task, index=index, success=ok, reward=float(ok), invalid=False,
                    unsafe=False, latency_ms=10.0, tokens=5, turns=turns,
                    failure_mode=None if ok else (mode or "bad_arguments"), reply=reply,
-                   reply_chars=len(reply), finish_reason=finish, calls=list(calls))
+                   reply_chars=len(reply), finish_reason=finish, calls=list(calls),
+                   calling_turns=int(bool(calls)))
 
 
 def side(version: int | None, attempts: list[Attempt]) -> EvalRun:
@@ -171,7 +172,7 @@ def test_figures_are_hand_computed() -> None:
     assert f.empty_rate == 0.5  # the empty reply and the timeout
     assert f.truncated_rate == 0.25
     assert f.reply_chars == 3.0  # (4 + 0 + 8 + 0) / 4
-    assert f.calls_per_turn == 0.75  # 3 calls over 4 turns (a timeout counts one)
+    assert f.calls_per_turn == 1.5  # 3 calls in the 2 turns that call a tool
     old = side(1, [Attempt("a", 0, True, 1.0, False, False, 1.0, 1)])  # cached before
     assert behaviour.figures(old).attempts == 0
 
@@ -198,6 +199,14 @@ def test_padding_truncation_and_call_spraying_block() -> None:
     _, _, checks = behaviour.checks(padded, base, Rule())
     assert {c.name for c in checks if not c.passed} == {
         "shift:truncation", "shift:reply_length", "shift:calls_per_turn"}
+
+
+def test_calling_tools_where_production_answered_in_prose_is_no_shift() -> None:
+    prose = side(None, [att("a", j, False, "I think the priority is fine as it is.", calls=())
+                        for j in range(4)])
+    calls = side(1, [att("a", j, True, "<tool_call>{}</tool_call>") for j in range(4)])
+    _, _, checks = behaviour.checks(calls, prose, Rule())
+    assert all(c.passed for c in checks), [c.detail for c in checks if not c.passed]
 
 
 def test_runs_cached_before_replies_were_kept_are_reported_not_judged() -> None:

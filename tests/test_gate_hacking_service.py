@@ -69,6 +69,7 @@ async def _sample(policy: Any, holdout: Holdout, adapter: AdapterRef | None,
                 str(task.task_id), j, ok, 1.0 if ok else 0.4, False, False, 50.0, 10,
                 failure_mode=None if ok else "bad_arguments", reply=reply,
                 reply_chars=len(reply), finish_reason="stop", turns=1, calls=["get_weather"],
+                calling_turns=1,
                 components={"valid_json": 1.0, "right_tool": 1.0, "arguments": float(ok)}))
     return EvalRun(version, {str(t.task_id): task_groups(t) for t in holdout.tasks}, attempts)
 

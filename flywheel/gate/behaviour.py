@@ -42,12 +42,12 @@ def figures(run: EvalRun) -> BehaviourFigures:
     """One side's behaviour on its observed attempts."""
     seen = [a for a in run.attempts if observed(a)]
     n = len(seen)
-    turns = sum(max(a.turns, 1) for a in seen)
+    calling = sum(a.calling_turns for a in seen)
     return BehaviourFigures(
         attempts=n, empty_rate=sum(map(is_empty, seen)) / n if n else 0.0,
         truncated_rate=sum(map(is_truncated, seen)) / n if n else 0.0,
         reply_chars=statistics.fmean(a.reply_chars for a in seen) if n else 0.0,
-        calls_per_turn=sum(len(a.calls) for a in seen) / turns if turns else 0.0)
+        calls_per_turn=sum(len(a.calls) for a in seen) / calling if calling else 0.0)
 
 
 def dropped_calls(cand: EvalRun, base: EvalRun) -> tuple[int, int]:
@@ -81,8 +81,7 @@ def checks(cand: EvalRun, base: EvalRun, rule: GateSettings
               "rate of replies cut by max_tokens"),
         _grow("reply_length", fc.reply_chars, fb.reply_chars, rule.reply_length_ratio,
               "mean reply length (chars)"),
-        _rise("calls_per_turn", fc.calls_per_turn, fb.calls_per_turn,
-              rule.calls_per_turn_tolerance, "tool calls per turn", fmt=".2f"),
+        _calls(fc.calls_per_turn, fb.calls_per_turn, rule.calls_per_turn_tolerance),
         GateCheck(name="shift:dropped_calls", passed=share <= rule.dropped_calls_tolerance
                   + 1e-12,
                   detail=f"replies calling no tool where production called one: {dropped} of "
@@ -96,6 +95,16 @@ def _rise(name: str, value: float, before: float, tolerance: float, label: str,
     return GateCheck(name=f"shift:{name}", passed=value <= before + tolerance + 1e-12,
                      detail=f"{label} {before:{fmt}} → {value:{fmt}} (may rise at most "
                             f"{tolerance})")
+
+
+def _calls(value: float, before: float, tolerance: float) -> GateCheck:
+    # Per turn that calls a tool: a candidate that calls tools where production answered in
+    # prose has learnt the task, not sprayed calls.
+    if before <= 0:
+        return GateCheck(name="shift:calls_per_turn", passed=True,
+                         detail="tool calls per calling turn: production calls no tools")
+    return _rise("calls_per_turn", value, before, tolerance, "tool calls per calling turn",
+                 fmt=".2f")
 
 
 def _grow(name: str, value: float, before: float, ratio: float, label: str) -> GateCheck:

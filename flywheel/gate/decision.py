@@ -42,6 +42,8 @@ class Attempt:
     turns: int = 0
     calls: list[str] = field(default_factory=list)
     """Names of the tools the replies called, in order."""
+    calling_turns: int = 0
+    """Turns that called at least one tool."""
     components: dict[str, float] = field(default_factory=dict)
 
 

@@ -87,6 +87,7 @@ def _attempt(task: TaskSpec, r: ScoredRollout, offset: int = 0,
              fmt: ChatFormat | None = None) -> Attempt:
     reward = r.reward or 0.0
     text = "\n".join(t.text for t in r.turns)
+    called = _called(fmt, r)
     return Attempt(task=str(task.task_id), index=offset + r.index,
                    success=r.failure_mode is None and reward >= 1.0, reward=reward,
                    invalid=r.failure_mode == "invalid_format",
@@ -96,15 +97,16 @@ def _attempt(task: TaskSpec, r: ScoredRollout, offset: int = 0,
                    failure_mode=r.failure_mode or r.not_run, reply=text[:REPLY_CHARS],
                    reply_chars=len(text),
                    finish_reason=r.turns[-1].finish_reason if r.turns else "",
-                   turns=len(r.turns), calls=_called(fmt, r),
+                   turns=len(r.turns), calls=[n for turn in called for n in turn],
+                   calling_turns=sum(1 for turn in called if turn),
                    components=dict(r.reward_components))
 
 
-def _called(fmt: ChatFormat | None, r: ScoredRollout) -> list[str]:
-    """The tools the attempt's replies called, as the policy's chat format parses them."""
+def _called(fmt: ChatFormat | None, r: ScoredRollout) -> list[list[str]]:
+    """The tools each turn of the attempt called, as the policy's chat format parses them."""
     if fmt is None:
         return []
-    return [c["function"]["name"] for t in r.turns for c in fmt.parse(t.text)["tool_calls"]]
+    return [[c["function"]["name"] for c in fmt.parse(t.text)["tool_calls"]] for t in r.turns]
 
 
 def run_key(settings: Settings, version: int | None, holdout: Holdout, chat_format: str
