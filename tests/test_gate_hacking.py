@@ -296,3 +296,33 @@ def test_metrics_families_of_the_newest_decision() -> None:
     assert value[("flywheel_last_evaluation_changed_tasks", ("broken",))] == 1
     assert hacking_families({"canaries": None, "behaviour": None, "train_gap": None,
                              "fixed": None}) == []  # a decision from before the checks
+
+
+def test_an_attempt_keeps_what_the_model_did() -> None:
+    """`evaluate` keeps each attempt's replies, finish reason and the calls the policy's own
+    chat format parses from them (here the bundled model's)."""
+    import transformers
+
+    from flywheel.events import ScoredRollout, Turn
+    from flywheel.gate.evaluate import _attempt
+    from flywheel.policy import model_cache
+    from flywheel.policy.chat_format import chat_format_for
+
+    path = model_cache.default_model_dir(model_cache.default_cache_root())
+    fmt = chat_format_for(transformers.AutoTokenizer.from_pretrained(
+        path, local_files_only=True), "auto")
+    call = '<tool_call>\n{"name": "tickets_create", "arguments": {"title": "x"}}\n</tool_call>'
+
+    def turn(text: str, finish: str) -> Turn:
+        return Turn(prompt_token_ids=[1], token_ids=[2, 3], logprobs=[-0.1, -0.2], text=text,
+                    finish_reason=finish)
+
+    r = ScoredRollout(index=1, reward=0.5, reward_components={"email": 1.0},
+                      failure_mode="incomplete", not_run=None, latency_ms=5.0,
+                      turns=[turn(call + call, "stop"), turn("Done, I filed", "length")])
+    a = _attempt(workplace_task(), r, offset=4, fmt=fmt)
+    assert (a.index, a.turns, a.calling_turns) == (5, 2, 1)
+    assert a.calls == ["tickets_create", "tickets_create"]
+    assert a.finish_reason == "length" and a.failure_mode == "incomplete"
+    assert a.reply.endswith("Done, I filed") and a.reply_chars == len(call) * 2 + 14
+    assert behaviour.figures(side(1, [a])).calls_per_turn == 2.0
