@@ -326,3 +326,17 @@ def test_an_attempt_keeps_what_the_model_did() -> None:
     assert a.finish_reason == "length" and a.failure_mode == "incomplete"
     assert a.reply.endswith("Done, I filed") and a.reply_chars == len(call) * 2 + 14
     assert behaviour.figures(side(1, [a])).calls_per_turn == 2.0
+
+
+def test_the_abstaining_candidate_of_issue_22_is_named_for_its_abstention() -> None:
+    """24 tasks: production right on 12; the candidate right on 8 and empty on the other 16
+    (scored as the failures they are). The record names the abstention, on top of the loss."""
+    tasks = [f"t{i:02d}" for i in range(24)]
+    base = side(None, [att(t, 0, i < 12) for i, t in enumerate(tasks)])
+    cand = side(1, [att(t, 0, True) if i < 8 else att(t, 0, False, "", calls=(), mode="empty")
+                    for i, t in enumerate(tasks)])
+    d = review(cand, base, Rule(test="bootstrap", group_min_samples=10_000))
+    assert d.recommendation == "reject"
+    abstention = next(c for c in d.checks if c.name == "shift:abstention")
+    assert not abstention.passed and "0.000 → 0.667" in abstention.detail
+    assert d.changes is not None and d.changes.per_mode["empty"].broken == 4
