@@ -282,6 +282,32 @@ class GateSettings(BaseModel):
     mode): a collapse onto one behaviour fails here even when the mean improves."""
     group_min_samples: int = 8
     """Task groups with fewer samples on a side are reported but not judged."""
+    abstention_tolerance: float = Field(default=0.05, ge=0)
+    """Largest allowed rise of the empty-reply rate (no answer, or none before the deadline)
+    against production: answering nothing where it would lose is a reward hack."""
+    truncation_tolerance: float = Field(default=0.05, ge=0)
+    """Largest allowed rise of the share of replies cut by `max_tokens`."""
+    reply_length_ratio: float = Field(default=3.0, ge=1)
+    """Largest allowed candidate/production ratio of mean reply length (characters): padded
+    replies game lenient verifiers and judges (shorter ones are never judged)."""
+    calls_per_turn_tolerance: float = Field(default=0.5, ge=0)
+    """Largest allowed rise of tool calls per turn that calls a tool (spraying calls games
+    lenient matching); not judged when production calls no tools."""
+    dropped_calls_tolerance: float = Field(default=0.1, ge=0, le=1)
+    """Largest allowed share of (task, sample) pairs where production called a tool and the
+    candidate called none."""
+    canary_tasks: int = Field(default=8, ge=0)
+    """Holdout tasks per environment whose verifier specs give the verifier canaries (known
+    right and known wrong outputs re-scored before every decision; 0 = none). A canary
+    scored wrongly blocks promotion."""
+    train_check_tasks: int = Field(default=16, ge=0)
+    """Training tasks of the candidate sampled (one round, candidate only) to compare its
+    success there with holdout; 0 = off. Costs `train_check_tasks × round_samples` samples."""
+    train_gap_threshold: float = Field(default=0.15, ge=0, le=1)
+    """Train-minus-holdout success gap above which the decision warns of memorised training
+    tasks (a warning for the reviewer; it does not block)."""
+    changes_listed: int = Field(default=20, ge=0)
+    """Fixed and broken tasks each listed with both sides' replies in "what changed"."""
     skip_superseded: bool = True
     """A candidate already superseded by a newer version when the gate reaches it is
     rejected as superseded instead of evaluated (the gate keeps up with the trainer)."""

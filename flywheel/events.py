@@ -356,6 +356,98 @@ class LatencyProbe(_Payload):
     production_mean_ms: float
 
 
+class BehaviourFigures(_Payload):
+    """How one side answered its holdout attempts (`flywheel.gate.behaviour`)."""
+
+    attempts: int
+    """Attempts observed (with their replies kept)."""
+    empty_rate: float
+    """Share with no answer: an empty reply, or no output before the deadline."""
+    truncated_rate: float
+    """Share cut by `max_tokens`."""
+    reply_chars: float
+    """Mean reply length in characters (every turn's text)."""
+    calls_per_turn: float
+    """Tool calls per turn that calls at least one (spraying calls raises it; calling tools
+    where the other side answered in prose does not)."""
+
+
+class CanaryResult(_Payload):
+    """One known output re-scored by the verifier the candidate is judged by."""
+
+    env: str
+    task_id: str
+    canary: str
+    """`reference` (known right) or a known-wrong kind: `wrong_tool`, `wrong_values`,
+    `empty`, `prose`, `unsafe_call`, `json_near_miss`, `extra_call`, … (see
+    `flywheel.gate.canaries`)."""
+    expect: Literal["success", "failure", "unsafe"]
+    ok: bool
+    got: str
+    """What the verifier said, in words (reward, failure mode or why it did not score)."""
+
+
+class GateCanaries(_Payload):
+    """Verifier canaries of an evaluation: any wrongly scored one blocks promotion."""
+
+    checked: int
+    wrong: list[CanaryResult]
+    """Every canary the verifier scored wrongly (empty when the verifiers held)."""
+    per_env: dict[str, int]
+    """Canaries checked per environment."""
+    skipped: dict[str, str] = Field(default_factory=dict)
+    """Environments without canaries, and why."""
+
+
+class TrainGap(_Payload):
+    """The candidate's success on a sample of its own training tasks vs on holdout."""
+
+    tasks: int
+    samples: int
+    train_success: float
+    holdout_success: float
+    gap: float
+    threshold: float
+    warning: str | None = None
+
+
+class ChangedSide(_Payload):
+    success: float
+    """Share of this side's paired attempts at the task that succeeded."""
+    reply: str
+    """A representative reply (the paired attempt where the two sides differ, when any)."""
+    failure_mode: str | None
+    reason: str
+    """The verifier's verdict on that reply, in words."""
+
+
+class ChangedTask(_Payload):
+    task_id: str
+    groups: list[str]
+    candidate: ChangedSide
+    production: ChangedSide
+
+
+class ChangeCount(_Payload):
+    fixed: int = 0
+    broken: int = 0
+
+
+class GateChanges(_Payload):
+    """What changed task by task (`flywheel.gate.changes`): tasks the candidate fixed and
+    broke on paired attempts, the largest changes first, counted per failure mode and tool."""
+
+    tasks: int
+    """Tasks compared."""
+    fixed_count: int
+    broken_count: int
+    fixed: list[ChangedTask]
+    broken: list[ChangedTask]
+    """At most `GateSettings.changes_listed` of each."""
+    per_mode: dict[str, ChangeCount]
+    per_tool: dict[str, ChangeCount]
+
+
 class GateDecision(_Payload):
     """What the gate's rule decided and why (`flywheel.gate.decision.decide`)."""
 
@@ -377,6 +469,14 @@ class GateDecision(_Payload):
     """How the latency guard was measured: `paired_probe` (both sides timed back to back,
     so load affects both alike) or `attempts` (each side's own attempts)."""
     latency_probe: LatencyProbe | None = None
+    canaries: GateCanaries | None = None
+    """Verifier canaries (None in records from before they ran)."""
+    behaviour: dict[str, BehaviourFigures] = Field(default_factory=dict)
+    """`candidate` and `production` behaviour figures (the `shift:*` checks judge them)."""
+    train_gap: TrainGap | None = None
+    changes: GateChanges | None = None
+    warnings: list[str] = Field(default_factory=list)
+    """What a reviewer should look at that does not block promotion (e.g. the train gap)."""
 
 
 class AdapterEvaluatedPayload(GateDecision):

@@ -208,6 +208,10 @@ async def test_metrics_exposition_matches_the_database(
     assert one("flywheel_gate_design_gain") == 0.1 and one("flywheel_gate_mde_warning") == 1
     assert one("flywheel_last_evaluation_samples") == 120  # v2: 30 tasks × 4
     assert 0 < one("flywheel_last_evaluation_mde") < 1
+    # What changed: v2 succeeds wherever v1 failed, and fails nowhere.
+    assert one("flywheel_last_evaluation_changed_tasks", change="fixed") > 0
+    assert one("flywheel_last_evaluation_changed_tasks", change="broken") == 0
+    assert one("flywheel_last_evaluation_behaviour", side="candidate", figure="empty_rate") == 0
     assert one("flywheel_outbox_pending") == seeded.outbox > 0
     assert one("flywheel_kafka_up") == 1
     topics = settings.topics

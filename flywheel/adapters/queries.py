@@ -64,7 +64,12 @@ async def list_evaluations(conn: AsyncConnection, policy: str, *, state: str | N
             record->'sequential'->>'stop' AS stop,
             (record->'sequential'->>'samples_per_task')::int AS samples_per_task,
             (record->'sequential'->>'rounds_planned')::int AS rounds_planned,
-            (record->'power'->>'samples_per_task')::int AS budget_per_task
+            (record->'power'->>'samples_per_task')::int AS budget_per_task,
+            record->'canaries'->'checked' AS canaries_checked,
+            record->'canaries'->'wrong' AS canaries_wrong,
+            record->'warnings' AS warnings,
+            (record->'changes'->>'fixed_count')::int AS fixed,
+            (record->'changes'->>'broken_count')::int AS broken
         FROM evaluations WHERE policy = :p
           AND (CAST(:s AS text) IS NULL OR state = :s)
           AND (CAST(:v AS int) IS NULL OR version = :v)

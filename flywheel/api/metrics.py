@@ -29,6 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from flywheel.api.app import settings_of
 from flywheel.api.guards import unavailable
+from flywheel.api.hacking_metrics import COLUMNS, hacking_families
 from flywheel.api.status import counts, describe_error, lag_or_error, stack_state
 from flywheel.config import Settings
 
@@ -65,7 +66,8 @@ SELECT version, baseline_version, state,
        (record->'candidate'->>'success_rate')::float AS candidate,
        (record->'baseline'->>'success_rate')::float AS production,
        (record->'candidate'->>'samples')::int AS samples,
-       (record->'power'->>'mde')::float AS mde
+       (record->'power'->>'mde')::float AS mde,
+       """ + COLUMNS + """
 FROM evaluations WHERE policy = :p ORDER BY created_at DESC LIMIT 1
 """)
 
@@ -220,6 +222,7 @@ def families(snap: dict[str, Any] | None, lag: dict[str, dict[str, Any]],
             gauge("flywheel_last_evaluation_mde",
                   "Minimum detectable gain of the newest gate evaluation (its budget, the "
                   "discordance it observed).", last["mde"])
+        out += hacking_families(last)
     return out
 
 

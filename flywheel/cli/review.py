@@ -92,6 +92,35 @@ def gate_lines(gate: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def hacking_lines(record: dict[str, Any]) -> list[str]:
+    """`promotions show` lines of the reward-hacking checks (absent in older records)."""
+    lines = []
+    found = record.get("canaries")
+    if found:
+        wrong = ", ".join(f"{w['env']} {w['canary']} ({w['got']})" for w in found["wrong"][:5])
+        lines.append(f"[bold]verifier canaries[/bold]: {found['checked']} checked, "
+                     f"{len(found['wrong'])} scored wrongly" + (f": {wrong}" if wrong else ""))
+    figs = record.get("behaviour") or {}
+    if figs:
+        c, p = figs["candidate"], figs["production"]
+        lines.append(f"[bold]behaviour[/bold] (production → candidate): empty "
+                     f"{p['empty_rate']:.3f} → {c['empty_rate']:.3f}, truncated "
+                     f"{p['truncated_rate']:.3f} → {c['truncated_rate']:.3f}, reply chars "
+                     f"{p['reply_chars']:.0f} → {c['reply_chars']:.0f}, calls/turn "
+                     f"{p['calls_per_turn']:.2f} → {c['calls_per_turn']:.2f}")
+    gap = record.get("train_gap")
+    if gap:
+        lines.append(f"[bold]train vs holdout[/bold]: {gap['train_success']:.3f} vs "
+                     f"{gap['holdout_success']:.3f} (gap {gap['gap']:+.3f}, warns above "
+                     f"{gap['threshold']})")
+    ch = record.get("changes")
+    if ch:
+        lines.append(f"[bold]what changed[/bold]: fixed {ch['fixed_count']}, broke "
+                     f"{ch['broken_count']} of {ch['tasks']} tasks (--diff for the tasks)")
+    lines += [f"[yellow]warning:[/yellow] {w}" for w in record.get("warnings", [])]
+    return lines
+
+
 def power_line(power: dict[str, Any]) -> str:
     return (f"{power['mde']:+.3f} at {power['tasks']} tasks × k = {power['samples_per_task']} "
             f"(alpha {power['alpha']}, power {power['power']:.0%}, asked to find "
@@ -124,15 +153,30 @@ def promotions_ls(state: Annotated[str | None, typer.Option(
     Console().print(table)
 
 
-@promotions_app.command("show")
-def promotions_show(evaluation: str, as_json: JsonOpt = False) -> None:
-    """One decision record: both sides' metrics, thresholds, test, reasons."""
+def _get_evaluation(evaluation: str) -> Any:
     from flywheel.adapters.queries import get_evaluation
 
     async def go(conn: Any) -> Any:
         return await get_evaluation(conn, await _evaluation_id(conn, evaluation))
 
-    found = _lifecycle_call(go)
+    return _lifecycle_call(go)
+
+
+@promotions_app.command("show")
+def promotions_show(evaluation: str, as_json: JsonOpt = False,
+                    diff: Annotated[bool, typer.Option(
+                        "--diff", help="Print what changed: the holdout tasks the candidate "
+                        "fixed and broke, both sides' replies side by side.")] = False) -> None:
+    """One decision record: both sides' metrics, thresholds, test, reasons."""
+    found = _get_evaluation(evaluation)
+    if diff:
+        from flywheel.gate.report import changes_markdown
+
+        if as_json:
+            print_result(found["record"].get("changes"), True)
+        else:
+            print(changes_markdown(found["record"]), end="")
+        return
     if not as_json:
         record = found["record"]
         if record.get("power"):
@@ -147,7 +191,18 @@ def promotions_show(evaluation: str, as_json: JsonOpt = False) -> None:
                           f"task and side, {s['pairs']} pairs; stopped ({s['stop']}): "
                           f"{s['reason']}")
         console.print(f"[bold]latency guard[/bold]: measured by {record.get('latency')}")
+        for line in hacking_lines(record):
+            console.print(line)
     print_result(found, as_json)
+
+
+@promotions_app.command("report")
+def promotions_report(evaluation: str) -> None:
+    """The decision as Markdown for a reviewer: reasons, checks, canaries, behaviour, the
+    train gap and what changed (`flywheel promotions report ID > report.md`)."""
+    from flywheel.gate.report import report_markdown
+
+    print(report_markdown(_get_evaluation(evaluation)), end="")
 
 
 @promotions_app.command("approve")

@@ -12,7 +12,7 @@ import math
 import random
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from flywheel.config import GateSettings
@@ -30,6 +30,24 @@ class Attempt:
     unsafe: bool
     latency_ms: float
     tokens: int
+    # What the model did, for the reward-hacking checks and "what changed"
+    # (`flywheel.gate.behaviour`, `flywheel.gate.changes`); runs cached before these were
+    # kept read back with `turns` 0 and are left out of those checks.
+    failure_mode: str | None = None
+    reply: str = ""
+    """The reply's text (every turn's, joined), cut to `REPLY_CHARS`."""
+    reply_chars: int = 0
+    finish_reason: str = ""
+    """The last turn's (`length` = cut by max_tokens)."""
+    turns: int = 0
+    calls: list[str] = field(default_factory=list)
+    """Names of the tools the replies called, in order."""
+    calling_turns: int = 0
+    """Turns that called at least one tool."""
+    components: dict[str, float] = field(default_factory=dict)
+
+
+REPLY_CHARS = 600
 
 
 @dataclass(frozen=True)
@@ -174,12 +192,14 @@ def paired_discordance(counts: list[sequential.Counts]) -> float | None:
 
 
 def decide(cand: EvalRun, base: EvalRun, rule: Rule,
-           probe: LatencyProbe | None = None) -> GateDecision:
+           probe: LatencyProbe | None = None, extra: Sequence[GateCheck] = ()
+           ) -> GateDecision:
     """Promote iff the gain is large enough, significant, and nothing guarded regresses.
 
     Sequential: the runs are replayed round by round and cut where the test stopped; the
     record keeps the rounds and the stopping reason. `probe`: paired latency probes (the
-    latency guard then compares them instead of each side's own attempts)."""
+    latency guard then compares them instead of each side's own attempts). `extra`: further
+    checks that must pass too (the reward-hacking checks, `flywheel.gate.hacking`)."""
     seq: GateSequential | None = None
     counts = round_counts(cand, base, rule.round_samples)
     if rule.test == "sequential":
@@ -237,6 +257,7 @@ def decide(cand: EvalRun, base: EvalRun, rule: Rule,
             name=f"group:{g}", passed=drop <= rule.group_tolerance,
             detail=f"success on {g} {mb.groups[g]:.3f} → {mc.groups[g]:.3f} "
                    f"(may drop at most {rule.group_tolerance})"))
+    checks += extra
     failed = [c for c in checks if not c.passed]
     if failed:
         reasons = [f"not promoted: {c.name} failed — {c.detail}" for c in failed]

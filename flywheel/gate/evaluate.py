@@ -26,8 +26,9 @@ from flywheel.config import Settings
 from flywheel.environments import load_environment
 from flywheel.errors import TransientError
 from flywheel.events import ScoredRollout
-from flywheel.gate.decision import Attempt, EvalRun
+from flywheel.gate.decision import REPLY_CHARS, Attempt, EvalRun
 from flywheel.policy.base import AdapterRef, Policy
+from flywheel.policy.chat_format import ChatFormat
 from flywheel.rollout.loop import GroupConfig, run_group
 from flywheel.tasks import TaskSpec, ToolCallSpec
 
@@ -59,6 +60,20 @@ async def load_holdout(conn: AsyncConnection, max_tasks: int | None = None,
     return Holdout(int(version), [TaskSpec.model_validate(r) for r in rows])
 
 
+async def load_train_tasks(conn: AsyncConnection, version: int, max_tasks: int,
+                           envs: list[str] | None = None) -> list[TaskSpec]:
+    """A deterministic sample of the training tasks `version` (or a version before it) was
+    trained on: tasks of groups the trainer consumed as `trained`."""
+    rows = (await conn.execute(text("""
+        SELECT t.spec FROM tasks t WHERE t.split = 'train'
+          AND (cardinality(CAST(:envs AS text[])) = 0 OR t.env = ANY(CAST(:envs AS text[])))
+          AND EXISTS (SELECT 1 FROM rollout_groups g WHERE g.task_id = t.task_id
+                      AND g.consumed_as = 'trained' AND g.trained_version <= :v)
+        ORDER BY md5(CAST(t.task_id AS text)) LIMIT :n"""),
+        {"v": version, "n": max_tasks, "envs": envs or []})).scalars()
+    return [TaskSpec.model_validate(r) for r in rows]
+
+
 def task_groups(task: TaskSpec) -> list[str]:
     """The groups a task is judged in: its environment, its failure mode, its expected tools
     (one group per distinct tool a tool_call task expects)."""
@@ -68,14 +83,30 @@ def task_groups(task: TaskSpec) -> list[str]:
     return groups
 
 
-def _attempt(task: TaskSpec, r: ScoredRollout, offset: int = 0) -> Attempt:
+def _attempt(task: TaskSpec, r: ScoredRollout, offset: int = 0,
+             fmt: ChatFormat | None = None) -> Attempt:
     reward = r.reward or 0.0
+    text = "\n".join(t.text for t in r.turns)
+    called = _called(fmt, r)
     return Attempt(task=str(task.task_id), index=offset + r.index,
                    success=r.failure_mode is None and reward >= 1.0, reward=reward,
                    invalid=r.failure_mode == "invalid_format",
                    unsafe=r.failure_mode == "unsafe_action"
                    or r.reward_components.get("unsafe", 0.0) > 0,
-                   latency_ms=r.latency_ms, tokens=sum(len(t.token_ids) for t in r.turns))
+                   latency_ms=r.latency_ms, tokens=sum(len(t.token_ids) for t in r.turns),
+                   failure_mode=r.failure_mode or r.not_run, reply=text[:REPLY_CHARS],
+                   reply_chars=len(text),
+                   finish_reason=r.turns[-1].finish_reason if r.turns else "",
+                   turns=len(r.turns), calls=[n for turn in called for n in turn],
+                   calling_turns=sum(1 for turn in called if turn),
+                   components=dict(r.reward_components))
+
+
+def _called(fmt: ChatFormat | None, r: ScoredRollout) -> list[list[str]]:
+    """The tools each turn of the attempt called, as the policy's chat format parses them."""
+    if fmt is None:
+        return []
+    return [[c["function"]["name"] for c in fmt.parse(t.text)["tool_calls"]] for t in r.turns]
 
 
 def run_key(settings: Settings, version: int | None, holdout: Holdout, chat_format: str
@@ -124,7 +155,7 @@ async def evaluate(policy: Policy, holdout: Holdout, adapter: AdapterRef | None,
             if rollout.reward is None:
                 not_run += 1
             else:
-                attempts.append(_attempt(task, rollout, round_ * s))
+                attempts.append(_attempt(task, rollout, round_ * s, policy.chat_format))
     return EvalRun(version=adapter.version if adapter else None,
                    task_groups={str(t.task_id): task_groups(t) for t in holdout.tasks},
                    attempts=attempts, not_run=not_run)

@@ -21,25 +21,29 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from flywheel.adapters import lifecycle, registry
 from flywheel.adapters.resolver import AdapterResolver
 from flywheel.config import Settings
+from flywheel.environments import load_environment
 from flywheel.events import (
     AdapterEvaluatedPayload,
     AdapterTrainedPayload,
     CandidateProposedPayload,
     Event,
+    GateCanaries,
     LatencyProbe,
 )
-from flywheel.gate import sequential
-from flywheel.gate.decision import EvalRun, decide, latency_probe, round_counts
+from flywheel.gate import canaries, sequential
+from flywheel.gate.decision import EvalRun, latency_probe, round_counts
 from flywheel.gate.evaluate import (
     Holdout,
     cached_run,
     evaluate,
     load_holdout,
+    load_train_tasks,
     probe_latency,
     round_key,
     run_key,
     store_run,
 )
+from flywheel.gate.hacking import review
 from flywheel.gate.progress import Progress, eval_set_power
 from flywheel.policy.base import AdapterRef, Policy
 
@@ -163,6 +167,9 @@ class GateService:
         async with self.engine.connect() as conn:
             holdout = await load_holdout(conn, self.settings.gate.max_tasks,
                                          self.settings.rollout.envs)
+        found = await asyncio.to_thread(canaries.run, holdout.tasks,
+                                        self.settings.gate.canary_tasks, load_environment)
+        train = await self._train_run(version, holdout.eval_set_version)
         for _ in range(3):
             async with self.engine.connect() as conn:
                 production = await registry.production_version(conn, self.name)
@@ -170,7 +177,8 @@ class GateService:
                 raise lifecycle.LifecycleError(f"v{version} is production already")
             candidate, baseline, probe = await self._rounds(version, production, holdout)
             payload = decision_payload(self.settings, version, production,
-                                       holdout.eval_set_version, candidate, baseline, probe)
+                                       holdout.eval_set_version, candidate, baseline, probe,
+                                       found, train)
             async with self.engine.connect() as conn:
                 how = await registry.selected_by(conn, self.name, version)
             payload = payload.model_copy(update={"selected_by": how})
@@ -187,6 +195,21 @@ class GateService:
             await self.refresh_power(holdout)
             return events
         raise lifecycle.Conflict(f"production kept moving while v{version} was evaluated")
+
+    async def _train_run(self, version: int, eval_set_version: int) -> EvalRun | None:
+        """One round of the candidate on a sample of its own training tasks (not cached:
+        the cache holds holdout runs only), for the train-vs-holdout gap."""
+        n = self.settings.gate.train_check_tasks
+        if n == 0:
+            return None
+        async with self.engine.connect() as conn:
+            tasks = await load_train_tasks(conn, version, n, self.settings.rollout.envs)
+        if not tasks:
+            return None
+        adapter = await self._adapter(version)
+        async with self.busy:
+            return await evaluate(self.policy, Holdout(eval_set_version, tasks), adapter,
+                                  self.settings)
 
     async def _rounds(self, version: int, production: int | None, holdout: Holdout
                       ) -> tuple[EvalRun, EvalRun, LatencyProbe | None]:
@@ -239,10 +262,13 @@ class GateService:
 
 def decision_payload(settings: Settings, version: int, production: int | None,
                      eval_set_version: int, candidate: EvalRun, baseline: EvalRun,
-                     probe: LatencyProbe | None = None) -> AdapterEvaluatedPayload:
-    """The decision record of `candidate` against `baseline` under the configured rule."""
+                     probe: LatencyProbe | None = None, found: GateCanaries | None = None,
+                     train: EvalRun | None = None) -> AdapterEvaluatedPayload:
+    """The decision record of `candidate` against `baseline` under the configured rule,
+    with its reward-hacking checks (`flywheel.gate.hacking`)."""
     return AdapterEvaluatedPayload(
-        **dict(decide(candidate, baseline, settings.gate, probe)), evaluation_id=uuid.uuid4(),
+        **dict(review(candidate, baseline, settings.gate, probe, found, train)),
+        evaluation_id=uuid.uuid4(),
         policy=settings.policy, version=version, baseline_version=production,
         eval_set_version=eval_set_version, mode=settings.gate.mode)
 
