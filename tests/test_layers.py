@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VOCABULARY = {"config", "errors", "events", "schemas", "tasks", "formats", "feedback"}
+VOCABULARY = {"config", "errors", "events", "schemas", "tasks", "formats", "feedback",
+              "responses_log"}
 LAYERS: dict[str, int] = {
     # 0: the vocabulary, the ground floor: imports nothing else of ours
     **dict.fromkeys(VOCABULARY, 0),
@@ -35,6 +36,7 @@ SAME_LAYER_ALLOWED = {
     ("api", "gate"), ("cli", "api"), ("cli", "demo"), ("cli", "bench"), ("bench", "demo"),
     ("demo", "api"), ("api", "demo"),
     ("schemas", "formats"),   # the wire format converts what agents log (pure dict → dict)
+    ("schemas", "responses_log"),
     ("feedback", "schemas"), ("feedback", "formats"),  # feedback carries items, corrections
 }
 """Edges inside one layer that are the design, not an accident (every other is refused)."""
