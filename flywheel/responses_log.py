@@ -227,10 +227,10 @@ def _session(turns: list[tuple[dict[str, Any], dict[str, Any]]]) -> str | None:
     req, resp = turns[0]
     for meta in (resp.get("metadata"), req.get("metadata")):
         if isinstance(meta, dict) and isinstance(meta.get("session_id"), str):
-            return meta["session_id"]
+            return str(meta["session_id"])
     conv = resp.get("conversation") or req.get("conversation")
     if isinstance(conv, dict) and isinstance(conv.get("id"), str):
-        return conv["id"]
+        return str(conv["id"])
     if isinstance(conv, str):
         return conv
     first = resp.get("id")
