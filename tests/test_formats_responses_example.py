@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from flywheel.config import Settings
@@ -72,10 +73,15 @@ def test_the_openai_client_agent_loop(base_url: str, tmp_path: Path) -> None:
 def test_the_agents_sdk_agent(base_url: str, tmp_path: Path) -> None:
     pytest.importorskip("agents")
     printed = run(example("Runner.run_sync"), base_url, tmp_path)
-    items = [line.split(" ", 2) for line in printed[:-2]]
+    at = next(i for i, line in enumerate(printed) if line.startswith("['resp_"))
+    items = [line.split(" ", 2) for line in printed[:at]]
     assert [kind for kind, *_ in items] == ["tool_call_item", "tool_call_output_item",
                                             "message_output_item"], printed
     assert items[0][1] == "get_weather" and json.loads(items[0][2]) == {"city": "Oslo"}
-    ids = ast.literal_eval(printed[-2])  # the example prints the list of response ids
+    ids = ast.literal_eval(printed[at])  # the example prints the list of response ids
     assert len(ids) == 2 and all(i.startswith("resp_") for i in ids)
-    assert printed[-1].strip(), printed  # the final output, in text
+    second = httpx.get(f"{base_url}/v1/responses/{ids[1]}",
+                       headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    assert second["previous_response_id"] == ids[0]  # chained, not the history re-sent
+    assert [i["type"] for i in second["output"]] == ["message"]
+    assert "\n".join(printed[at + 1:]).strip(), printed  # the final output, in text
