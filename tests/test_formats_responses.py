@@ -101,9 +101,10 @@ def test_a_chain_is_stitched_into_one_trajectory_whatever_the_listed_order() -> 
     assert meta["response_ids"] == ["resp_1", "resp_2", "resp_3"]
     assert meta["responses"][1]["previous_response_id"] == "resp_1"
     assert meta["responses"][0]["temperature"] == 1.0  # nothing of a response is dropped
-    # Same content, same id, whatever the order it was listed in.
-    assert parse_trajectory({"responses": calls, "agent": "shop-bot"}).trajectory_id != \
-        t.trajectory_id  # the id is of the record as sent: order is part of it
+    # The content-derived id is of the record as sent: listed in another order, the same
+    # chain is another record (send `trajectory_id` to make re-sends idempotent anyway).
+    listed = parse_trajectory({"responses": calls, "agent": "shop-bot"})
+    assert listed.items == t.items and listed.trajectory_id != t.trajectory_id
 
 
 def test_a_corrected_chain_mines_into_a_task_on_the_failing_call() -> None:
