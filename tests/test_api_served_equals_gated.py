@@ -17,7 +17,8 @@ The sides must also agree on failures: with the gate's 40-token budget a `create
 call (about 41 tokens in the chat format) is cut before its closing tag on both sides, so
 success is strictly between 0 and 1. Measured on the shared 2-core machine: gated 0.625 =
 served 0.625 on 8 tasks, task by task, base model 0.000; 103 s at load average ~8 (SFT 42,
-gate 36, served 25), 636 s at ~14.
+gate 36, served 25), 636 s at ~14; with the Responses pass, the same 0.625 through both
+endpoints task by task, 777 s at ~17 (SFT 485, gate 184, served both ways 109).
 """
 
 from __future__ import annotations
