@@ -417,6 +417,9 @@ class ApiSettings(BaseModel):
     rollbacks; loads the policy engine in the API process on the first switch."""
     max_request_bytes: int = 16 * 1_048_576
     """Largest request body; one trajectory is also bounded by `ingest.max_payload_bytes`."""
+    responses_kept: int = Field(default=10_000, ge=1)
+    """`POST /v1/responses` answers kept in Postgres for `previous_response_id` chaining
+    (newest first); a call that names an older one is told it is gone (400)."""
 
 
 class StackSettings(BaseModel):

@@ -3,7 +3,8 @@
 A trajectory is what a deployed agent did: the tools it was offered, the ordered items
 (messages, function calls, their outputs, reasoning) and, once known, the outcome. Items
 follow the OpenAI Responses API shapes so agent logs map in without loss. Chat Completions
-transcripts and request/response pairs are converted by `flywheel.formats`; a record
+transcripts and request/response pairs are converted by `flywheel.formats`, Responses API
+logs by `flywheel.responses_log`; a record
 without an `agent` is named from its context (`ParseContext`). Unknown top-level fields are
 moved into `metadata["unknown_fields"]`; unknown fields inside nested objects are kept in
 place.
@@ -29,6 +30,7 @@ from flywheel.formats import (
     is_pair,
     pair_to_record,
 )
+from flywheel.responses_log import is_responses_log, responses_to_record
 
 __all__ = ["AWAITING_OUTCOME", "ParseContext", "Trajectory", "chat_to_items", "content_id",
            "is_chat_transcript", "normalize", "parse_trajectory"]
@@ -233,7 +235,10 @@ def normalize(record: dict[str, Any], context: ParseContext | None = None) -> di
     moves a top-level `request_id` to `metadata.request_id` (what feedback may refer to) and
     unknown top-level fields into `metadata["unknown_fields"]`.
     """
-    data = pair_to_record(record) if is_pair(record) else dict(record)
+    if is_responses_log(record):
+        data = responses_to_record(record)
+    else:
+        data = pair_to_record(record) if is_pair(record) else dict(record)
     if isinstance(data.get("tools"), list):
         data["tools"] = [_flatten_tool(t) for t in data["tools"]]
     if is_chat_transcript(data):

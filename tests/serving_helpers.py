@@ -17,6 +17,7 @@ from flywheel.adapters import lifecycle
 from flywheel.adapters.factory import artifact_store
 from flywheel.api.app import create_app
 from flywheel.api.operator import operator_lifespan, operator_router
+from flywheel.api.responses_routes import responses_router
 from flywheel.api.serving_routes import serving_router
 from flywheel.config import Settings
 from flywheel.db.outbox import append_events
@@ -26,10 +27,11 @@ from flywheel.runtime.broker import free_port
 
 @contextmanager
 def live_api(settings: Settings, timeout_s: float = 60) -> Iterator[str]:
-    """The operator and serving routes with their real lifespan (the `ServingSync` that
-    follows production and builds the configured engine) served by uvicorn on 127.0.0.1, in
-    a thread; yields the base URL."""
-    app = create_app(settings, routers=[operator_router(), serving_router()],
+    """The operator and serving routes (chat, responses) with their real lifespan (the
+    `ServingSync` that follows production and builds the configured engine) served by
+    uvicorn on 127.0.0.1, in a thread; yields the base URL."""
+    app = create_app(settings, routers=[operator_router(), serving_router(),
+                                        responses_router()],
                      lifespan_hooks=[operator_lifespan])
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,

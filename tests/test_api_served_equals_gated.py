@@ -6,15 +6,19 @@ format make a version that calls tools on its own; the gate evaluates it against
 model on a frozen holdout, greedy, and promotes it; then every holdout task is sent as an
 agent sends it — its messages and OpenAI-shaped `tools`, the gate's seed, `temperature: 0`,
 no `tool_choice` — through `POST /v1/chat/completions` with the official `openai` client,
-and the returned `tool_calls` are scored by the same verifier. The two success rates agree
-(within 2 points; greedy decoding on both sides makes them agree task by task), and the
-served prompts are token for token the ones the policy's chat format renders for the gate.
+and the returned `tool_calls` are scored by the same verifier; then once more through
+`POST /v1/responses` (`client.responses.create`, the task's messages as input items), whose
+`function_call` items score task by task as the chat answers do, from the same prompts.
+Gated and served success rates agree (within 2 points; greedy decoding on both sides makes
+them agree task by task), and the served prompts are token for token the ones the policy's
+chat format renders for the gate.
 
 The sides must also agree on failures: with the gate's 40-token budget a `create_ticket`
 call (about 41 tokens in the chat format) is cut before its closing tag on both sides, so
 success is strictly between 0 and 1. Measured on the shared 2-core machine: gated 0.625 =
 served 0.625 on 8 tasks, task by task, base model 0.000; 103 s at load average ~8 (SFT 42,
-gate 36, served 25), 636 s at ~14.
+gate 36, served 25), 636 s at ~14; with the Responses pass, the same 0.625 through both
+endpoints task by task, 777 s at ~17 (SFT 485, gate 184, served both ways 109).
 """
 
 from __future__ import annotations
@@ -140,6 +144,51 @@ def _served_success(base_url: str, tasks: list[TaskSpec], settings: Settings
     return out, answers
 
 
+def _responses_input(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A task's chat messages as the Responses input items an agent would send."""
+    items: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "tool":
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"],
+                          "output": m["content"]})
+            continue
+        if m.get("content"):
+            items.append({"role": m["role"], "content": m["content"]})
+        items += [{"type": "function_call", "call_id": c["id"], "name": c["function"]["name"],
+                   "arguments": c["function"]["arguments"]} for c in m.get("tool_calls") or ()]
+    return items
+
+
+def _served_by_responses(base_url: str, tasks: list[TaskSpec], settings: Settings
+                         ) -> tuple[dict[str, bool], list[tuple[Any, TaskSpec]]]:
+    """The same tasks through `POST /v1/responses` (`client.responses.create`, flat function
+    tools), the answer's `function_call` items scored by the same verifier."""
+    env = load_environment("tool_call")
+    out: dict[str, bool] = {}
+    answers = []
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key=TOKEN, max_retries=0,
+                       timeout=600) as client:
+        for task in tasks:
+            answer = client.responses.create(
+                model="production", input=_responses_input(task.messages),
+                tools=[{"type": "function", "name": t["name"], "description": t["description"],
+                        "parameters": t["parameters"]} for t in task.tools],
+                temperature=0, max_output_tokens=settings.rollout.max_tokens,
+                extra_body={"seed": settings.gate.seed ^ zlib.crc32(task.task_id.bytes),
+                            "return_token_ids": True})
+            calls = [{"id": o.call_id, "type": "function",
+                      "function": {"name": o.name, "arguments": o.arguments}}
+                     for o in answer.output if o.type == "function_call"]
+            message: dict[str, Any] = {"role": "assistant", "content": answer.output_text or None}
+            if calls:
+                message["tool_calls"] = calls
+            message = {k: v for k, v in message.items() if v is not None}
+            result = env.verify(task.verifier, message, tools=task.tools)
+            out[str(task.task_id)] = result.failure_mode is None and result.reward >= 1.0
+            answers.append((answer, task))
+    return out, answers
+
+
 async def test_production_answers_score_as_the_gate_measured(db_url: str,
                                                              tmp_path: Path) -> None:
     from flywheel.gate.service import GateService
@@ -176,6 +225,8 @@ async def test_production_answers_score_as_the_gate_measured(db_url: str,
 
     with live_api(s) as url:
         served, answers = await asyncio.to_thread(_served_success, url, holdout.tasks, s)
+        by_responses, responses = await asyncio.to_thread(_served_by_responses, url,
+                                                          holdout.tasks, s)
     t_served = time.perf_counter()
     await engine.dispose()
 
@@ -197,3 +248,8 @@ async def test_production_answers_score_as_the_gate_measured(db_url: str,
     for answer, task in answers:
         assert answer.model == "policy@v1", answer.model
         assert answer.model_extra["prompt_token_ids"] == prompts[str(task.task_id)]
+    # The Responses API answers task by task as Chat Completions does, from the same prompts.
+    assert by_responses == served, (by_responses, report)
+    for response, task in responses:
+        assert response.model == "policy@v1", response.model
+        assert response.model_extra["prompt_token_ids"] == prompts[str(task.task_id)]

@@ -21,7 +21,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPS = ("flywheel", "consumers", "producers")
-VOCABULARY = {"config", "errors", "events", "schemas", "tasks", "formats", "feedback"}
+VOCABULARY = {"config", "errors", "events", "schemas", "tasks", "formats", "feedback",
+              "responses_log"}
 LAYERS: dict[str, int] = {
     # 0: the vocabulary, the ground floor: imports nothing else of ours
     **dict.fromkeys(VOCABULARY, 0),
@@ -44,6 +45,7 @@ SAME_LAYER_ALLOWED = {
     ("cli", "api"), ("cli", "demo"), ("cli", "bench"), ("bench", "demo"),
     ("demo", "api"),
     ("schemas", "formats"),   # the wire format converts what agents log (pure dict → dict)
+    ("schemas", "responses_log"),
     ("feedback", "schemas"), ("feedback", "formats"),  # feedback carries items, corrections
 }
 """Edges inside one layer that are the design, not an accident (every other is refused);

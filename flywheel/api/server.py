@@ -20,12 +20,14 @@ def build_app(settings: Settings) -> FastAPI:
     from flywheel.api.intake import intake_router
     from flywheel.api.metrics import metrics_router
     from flywheel.api.operator import operator_lifespan, operator_router
+    from flywheel.api.responses_routes import responses_router
     from flywheel.api.serving_routes import serving_router
     from flywheel.api.traces import traces_router
 
     return create_app(settings,
                       routers=[gateway_router(), traces_router(), feedback_router(),
                                intake_router(), operator_router(), serving_router(),
+                               responses_router(),
                                metrics_router(), dashboard_router()],
                       lifespan_hooks=[gateway_lifespan, operator_lifespan])
 

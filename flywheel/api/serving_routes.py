@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 
 from flywheel.api.auth import Principal, require_scope
-from flywheel.api.chat_request import RequestError, parse_request
+from flywheel.api.chat_request import ChatRequest, RequestError, parse_request
 from flywheel.api.chat_stream import events
 from flywheel.api.completions import complete, model_cards
 from flywheel.api.serving import ServingSync
@@ -61,6 +61,20 @@ class OpenAIRoute(APIRoute):
         return route
 
 
+async def answer_chat(serving: ServingSync, chat_request: ChatRequest) -> dict[str, Any]:
+    """`complete`, its refusals as OpenAI errors (also what `/v1/responses` answers with)."""
+    try:
+        return await complete(serving, chat_request)
+    except LookupError as err:
+        raise RequestError(str(err), param="model", code="model_not_found",
+                           status=404) from err
+    except ChatFormatError as err:
+        raise RequestError(str(err), param="tool_choice") from err
+    except PolicyError as err:
+        raise RequestError(f"the serving engine could not answer: {err}", status=503,
+                           kind="server_error", code="engine_unavailable") from err
+
+
 def _serving(request: Request) -> ServingSync:
     sync: ServingSync = request.app.state.serving
     return sync
@@ -75,16 +89,7 @@ def serving_router() -> APIRouter:
         `parallel_tool_calls`, `n`, `seed`, `stream`); see the README, "Calling
         production"."""
         chat_request = parse_request(await request.body())
-        try:
-            answer = await complete(_serving(request), chat_request)
-        except LookupError as err:
-            raise RequestError(str(err), param="model", code="model_not_found",
-                               status=404) from err
-        except ChatFormatError as err:
-            raise RequestError(str(err), param="tool_choice") from err
-        except PolicyError as err:
-            raise RequestError(f"the serving engine could not answer: {err}", status=503,
-                               kind="server_error", code="engine_unavailable") from err
+        answer = await answer_chat(_serving(request), chat_request)
         headers = {MODEL_HEADER: answer["model"]}
         if not chat_request.stream:
             return JSONResponse(answer, headers=headers)

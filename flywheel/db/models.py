@@ -556,3 +556,19 @@ class CandidateSelectionRow(Base):
     version: Mapped[int] = mapped_column(Integer, primary_key=True)
     selection: Mapped[dict[str, Any]] = mapped_column(JSONB)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+class ServedResponseRow(Base):
+    """A `POST /v1/responses` answer kept for `previous_response_id` chaining (and
+    `GET /v1/responses/{id}`); bounded: only the newest `api.responses_kept` are kept."""
+
+    __tablename__ = "served_responses"
+
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    response_id: Mapped[str] = mapped_column(Text, unique=True)
+    conversation: Mapped[list[Any]] = mapped_column(JSONB)
+    """The chat messages through this answer (its instructions left out: a chained call
+    does not inherit them), as the chat format renders them."""
+    body: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    """The `response` object as it was answered."""
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now())
