@@ -20,6 +20,7 @@ from flywheel.demo.samples import TOOLS
 from flywheel.events import AdapterTrained, AdapterTrainedPayload
 from flywheel.gate import service as gate_service
 from flywheel.gate.decision import Attempt, EvalRun
+from flywheel.gate.lifetime import candidate_number, rule_for
 from flywheel.gate.evaluate import Holdout, task_groups
 from flywheel.mining.store import freeze_eval_set, store_task
 from flywheel.policy.base import AdapterRef
@@ -129,6 +130,12 @@ async def test_rounds_stop_when_clear_and_production_is_sampled_once_per_index(
     second = events[0].payload
     assert second.recommendation == "reject" and second.sequential is not None
     assert second.sequential.stop in ("futility", "budget"), second.sequential.reason
+    # Each production's lifetime budget starts at candidate 1 (v1 against the base model,
+    # v2 against v1); the next candidate against v1 is number 2, at a quarter of the level.
+    assert record.lifetime is not None and record.lifetime.candidate_number == 1
+    assert second.lifetime is not None and second.lifetime.candidate_number == 1
+    async with engine.connect() as conn:
+        assert await candidate_number(conn, "policy", 1) == 2
     deeper = len(second.sequential.rounds)
     assert sorted(c for c in sampler.calls if c[0] == 2) == [(2, r) for r in range(deeper)]
     assert sorted(c for c in sampler.calls if c[0] == 1) == [(1, r)
@@ -161,5 +168,5 @@ async def _replay(gate: gate_service.GateService, s: Settings) -> tuple[EvalRun,
 
     async with gate.engine.connect() as conn:
         holdout = await load_holdout(conn)
-    cand, base, _ = await gate._rounds(2, 1, holdout)
+    cand, base, _ = await gate._rounds(2, 1, holdout, rule_for(s.gate, 1))
     return cand, base
