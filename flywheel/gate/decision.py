@@ -168,7 +168,7 @@ def decide(cand: EvalRun, base: EvalRun, rule: Rule,
     seq: GateSequential | None = None
     s = rule.round_samples
     counts = round_counts(cand, base, s)
-    gap = len(counts) if rounds_seen(cand, base, s) > len(counts) \
+    gap = _gap(cand, base, len(counts), s) if rounds_seen(cand, base, s) > len(counts) \
         or cand.not_run or base.not_run else None
     incomplete: str | None = None
     if rule.test == "sequential":
@@ -178,7 +178,7 @@ def decide(cand: EvalRun, base: EvalRun, rule: Rule,
         counts = counts[:used]
         seen = sum(counts, sequential.Counts())
         if outcome.stop is None and gap is not None:
-            incomplete = _gap(cand, base, gap, s)
+            incomplete = gap
         seq = GateSequential(
             rounds=outcome.rounds, rounds_planned=rule.max_rounds,
             samples_per_task=used * s, pairs=seen.pairs,
@@ -188,7 +188,7 @@ def decide(cand: EvalRun, base: EvalRun, rule: Rule,
             e_value=outcome.e_value, threshold=1 / rule.alpha)
         statistic, p = outcome.e_value, outcome.p_value
     elif gap is not None:  # a fixed test needs all of its pairs
-        incomplete = _gap(cand, base, gap, s)
+        incomplete = gap
         statistic, p = 0.0, 1.0
     elif rule.test == "mcnemar":
         statistic, p = mcnemar(cand, base)
