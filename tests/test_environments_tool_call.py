@@ -11,7 +11,7 @@ from flywheel.environments.calls import Call
 from flywheel.environments.matching import arguments_match, fold_text, values_match
 from flywheel.environments.scoring import best_assignment
 from flywheel.environments.tool_call import ToolCallEnvironment, verify_calls, verify_tool_call
-from flywheel.tasks import ExpectedCall, RolloutNotRun, ToolCallSpec, VerifierResult
+from flywheel.tasks import ExpectedCall, ToolCallSpec, VerifierResult
 
 TOOLS: list[dict[str, Any]] = [
     {"type": "function", "name": "set_priority",

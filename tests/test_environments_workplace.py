@@ -15,7 +15,7 @@ from flywheel.environments.workplace import (
     canonical_state,
     verify_workplace,
 )
-from flywheel.tasks import RolloutNotRun, WorkplaceSpec
+from flywheel.tasks import WorkplaceSpec
 
 INITIAL: dict[str, Any] = {
     "calendar": {"events": [{"id": "evt-1", "title": "Standup", "day": "2025-03-03",

@@ -20,8 +20,8 @@ from flywheel.demo.samples import TOOLS
 from flywheel.events import AdapterTrained, AdapterTrainedPayload
 from flywheel.gate import service as gate_service
 from flywheel.gate.decision import Attempt, EvalRun
-from flywheel.gate.lifetime import candidate_number, rule_for
 from flywheel.gate.evaluate import Holdout, task_groups
+from flywheel.gate.lifetime import candidate_number, rule_for
 from flywheel.mining.store import freeze_eval_set, store_task
 from flywheel.policy.base import AdapterRef
 from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
