@@ -129,3 +129,26 @@ def test_latency_guard_uses_the_paired_probe() -> None:
     # The attempts' own latencies (production's from another time) are not judged.
     even = slow.model_copy(update={"candidate_p95_ms": 150.0})
     assert decide(cand, base, RULE, probe=even).recommendation == "promote"
+
+
+def test_a_missing_pair_ends_the_evaluation_incomplete_unless_the_test_already_stopped(
+) -> None:
+    cand, base = _runs([(1, 0, 19), (1, 0, 19), (1, 0, 19)])
+    lost = EvalRun(2, cand.task_groups, [a for a in cand.attempts if (a.task, a.index) !=
+                                         ("t3", 2)], not_run=1, not_run_kinds={"crash": 1})
+    d = decide(lost, base, RULE)
+    assert d.recommendation == "incomplete" and d.sequential is not None
+    assert d.sequential.stop == "incomplete" and len(d.sequential.rounds) == 1
+    assert d.reasons[0] == ("incomplete, not decided: round 2 is incomplete: 1 candidate and "
+                            "0 production attempts could not be run after the retries (crash "
+                            "1); re-evaluate once the infrastructure is back")
+    fixed = decide(lost, base, RULE.model_copy(update={"test": "mcnemar"}))
+    assert fixed.recommendation == "incomplete"  # a fixed test needs every pair
+    # Production having more rounds cached than the candidate reached is no gap.
+    short = EvalRun(2, cand.task_groups, [a for a in cand.attempts if a.index < 4])
+    assert decide(short, base, RULE).sequential.stop == "budget"  # type: ignore[union-attr]
+    # A test that stopped before the gap is decided: 10 clear wins per round.
+    won, prod = _runs([(10, 0, 10), (4, 0, 16), (0, 0, 20)])
+    gap = EvalRun(2, won.task_groups, [a for a in won.attempts if a.index < 4 or a.task != "t0"],
+                  not_run=2)
+    assert decide(gap, prod, RULE).recommendation == "promote"

@@ -80,9 +80,11 @@ def _keys(run: EvalRun) -> set[tuple[str, int]]:
 
 
 def rounds_seen(cand: EvalRun, base: EvalRun, round_samples: int) -> int:
-    """Rounds either side has any attempt in (the highest index seen, in rounds)."""
-    indices = [x.index for x in (*cand.attempts, *base.attempts)]
-    return max(indices) // round_samples + 1 if indices else 0
+    """Rounds both sides have reached (each side's highest index, in rounds): a side with
+    more rounds cached than the other is not a gap, a round reached with pairs missing is."""
+    def reached(run: EvalRun) -> int:
+        return max(x.index for x in run.attempts) // round_samples + 1 if run.attempts else 0
+    return min(reached(cand), reached(base))
 
 
 def complete_rounds(cand: EvalRun, base: EvalRun, round_samples: int) -> int:
