@@ -152,3 +152,13 @@ def test_a_missing_pair_ends_the_evaluation_incomplete_unless_the_test_already_s
     gap = EvalRun(2, won.task_groups, [a for a in won.attempts if a.index < 4 or a.task != "t0"],
                   not_run=2)
     assert decide(gap, prod, RULE).recommendation == "promote"
+
+
+@pytest.mark.parametrize("test", ["sequential", "mcnemar", "bootstrap"])
+def test_the_test_only_override_promotes_and_reports_what_the_real_gate_could_see(
+        test: str) -> None:
+    cand, base = _runs([(1, 0, 19)])  # one win in 20 pairs: no evidence at all
+    d = decide(cand, base, RULE.model_copy(update={"test": test, "test_only_accept": True}))
+    assert d.recommendation == "promote" and d.lifetime is None
+    assert d.reasons[-1].startswith("TEST ONLY: gate.test_only_accept")
+    assert d.power is not None and d.power.alpha == pytest.approx(0.05 * 6 / math.pi ** 2)

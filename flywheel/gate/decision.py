@@ -164,6 +164,9 @@ def decide(cand: EvalRun, base: EvalRun, rule: Rule,
     complete ends `incomplete`. `probe`: paired latency probes (the latency guard then
     compares them instead of each side's own attempts)."""
     spend = lifetime.lifetime(rule, candidate_number)
+    # What the eval set could see is reported at the real level, even under the override.
+    seeing = lifetime.rule_for(rule.model_copy(update={"test_only_accept": False}),
+                               candidate_number)
     lifetime_alpha, rule = rule.alpha, lifetime.rule_for(rule, candidate_number)
     seq: GateSequential | None = None
     s = rule.round_samples
@@ -254,7 +257,7 @@ def decide(cand: EvalRun, base: EvalRun, rule: Rule,
     thresholds["lifetime_alpha"] = lifetime_alpha
     observed = paired_discordance(counts)
     record = power.report(
-        rule, tasks=len(base.task_groups), discordance=observed,
+        seeing, tasks=len(base.task_groups), discordance=observed,
         source=f"observed on this evaluation's {sum(c.pairs for c in counts)} pairs",
         production_success=mb.success_rate if mb.samples else None)
     return GateDecision(
