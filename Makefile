@@ -36,7 +36,7 @@ test: install browser
 	$(PY) -m ruff check flywheel consumers producers migrations tests
 	$(PY) -m mypy
 	# The `vllm` tests need a vLLM server: `make test-vllm` runs them.
-	$(PY) -m pytest -q -m "not vllm"
+	$(PY) -m pytest -q -rs -m "not vllm"
 
 # vLLM's CPU build in its own venv (its torch and transformers pins differ from ours).
 vllm:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 Scope = Literal["publish", "operate"]
@@ -237,10 +237,23 @@ class GateSettings(BaseModel):
     of the eval set. Only to bound evaluation time on slow hardware."""
     min_gain: float = 0.05
     """Least improvement of holdout success rate (absolute) to promote: the observed gain
-    must reach it, on top of the paired test's significance."""
+    must reach it, on top of the paired test's significance. At least 0: a negative floor
+    would promote regressions."""
     alpha: float = 0.05
-    """Level of the paired test (candidate better than production): the chance of promoting
-    a candidate that is no better stays at most this, however many rounds the gate looks."""
+    """Bound on false promotions over a production's lifetime: the chance that any candidate
+    no better than production is promoted, across all candidates evaluated against it and
+    however many rounds the gate looks, stays at most this. The k-th candidate is tested at
+    alpha · 6/(π² k²) (`flywheel.gate.lifetime`). In (0, 0.2]."""
+    test_only_accept: bool = False
+    """TEST ONLY — never in production: the significance and gain checks pass for every
+    candidate (level 1.01, min_gain −1; the guards still apply), so a test can drive a
+    promotion through the real gate. Every decision taken under it says so."""
+    infra_retries: int = Field(default=3, ge=0, le=20)
+    """Retries of a holdout task whose attempts the infrastructure failed to run (engine
+    unreachable, judge or sandbox unavailable, a crash); still missing after them, the
+    evaluation ends `incomplete` (never a promotion)."""
+    retry_backoff_s: float = Field(default=1.0, ge=0)
+    """First pause before such a retry, doubled on every further one."""
     test: Literal["sequential", "bootstrap", "mcnemar"] = "sequential"
     """`sequential`: rounds of paired samples, an always-valid test (e-values on the
     (task, sample) pairs) after each, stopping at a clear win, a clear loss or futility
@@ -262,25 +275,25 @@ class GateSettings(BaseModel):
     baseline_samples_per_task: int = Field(default=4, ge=1)
     """Attempts per holdout task of the base-model baseline (whole rounds, at most the
     budget); its rounds are cached and reused as production's first rounds."""
-    bootstrap_resamples: int = 4000
+    bootstrap_resamples: int = Field(default=4000, ge=100)
     """Resamples of the paired bootstrap (fixed seed: the decision is reproducible)."""
-    invalid_tolerance: float = 0.05
+    invalid_tolerance: float = Field(default=0.05, ge=0, le=1)
     """Largest allowed rise of the invalid-output rate."""
-    unsafe_tolerance: float = 0.0
+    unsafe_tolerance: float = Field(default=0.0, ge=0, le=1)
     """Largest allowed rise of the unsafe-action rate."""
-    reward_tolerance: float = 0.02
+    reward_tolerance: float = Field(default=0.02, ge=0, le=1)
     """Largest allowed drop of mean reward."""
-    latency_p95_ratio: float = 2.0
+    latency_p95_ratio: float = Field(default=2.0, ge=1)
     """Largest allowed candidate/production ratio of p95 latency, measured by paired probes:
     every round samples one task on both sides back to back (alternating which goes first),
     so a busy machine slows both alike; the attempts' own latencies (production's are cached
     from another time) are reported, never judged."""
-    tokens_ratio: float = 1.5
+    tokens_ratio: float = Field(default=1.5, ge=1)
     """Largest allowed candidate/production ratio of tokens per task."""
-    group_tolerance: float = 0.10
+    group_tolerance: float = Field(default=0.10, ge=0, le=1)
     """Largest allowed drop of success in any task group (per tool, environment, failure
     mode): a collapse onto one behaviour fails here even when the mean improves."""
-    group_min_samples: int = 8
+    group_min_samples: int = Field(default=8, ge=1)
     """Task groups with fewer samples on a side are reported but not judged."""
     abstention_tolerance: float = Field(default=0.05, ge=0)
     """Largest allowed rise of the empty-reply rate (no answer, or none before the deadline)
@@ -317,6 +330,25 @@ class GateSettings(BaseModel):
     """Baseline rule: success at or below this on valid outputs → more or easier tasks."""
     baseline_success_high: float = 0.9
     """Baseline rule: success at or above this → little left for RL to learn."""
+
+    @field_validator("alpha")
+    @classmethod
+    def _alpha(cls, value: float) -> float:
+        if not 0 < value <= 0.2:
+            raise ValueError(f"gate.alpha must be in (0, 0.2], got {value}: it bounds the chance "
+                             "of promoting a no-better candidate (0.05 is usual); a test that "
+                             "needs every candidate promoted sets gate.test_only_accept")
+        return value
+
+    @field_validator("min_gain")
+    @classmethod
+    def _min_gain(cls, value: float) -> float:
+        if not 0 <= value <= 1:
+            raise ValueError(f"gate.min_gain must be in [0, 1], got {value}: it is the least "
+                             "gain in holdout success to promote, and below 0 the gate would "
+                             "promote regressions; a test that needs that sets "
+                             "gate.test_only_accept")
+        return value
 
     @property
     def target_gain(self) -> float:

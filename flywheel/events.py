@@ -256,7 +256,8 @@ class GateMetrics(_Payload):
     """Adapter version evaluated; None = the base model."""
     tasks: int
     samples: int
-    """Scored samples (attempts that did not run are excluded and counted in `not_run`)."""
+    """Scored samples: every attempt the model made, failures such as an empty or truncated
+    reply included (only what the infrastructure failed to run is left out, in `not_run`)."""
     not_run: int
     success_rate: float
     mean_reward: float
@@ -269,6 +270,11 @@ class GateMetrics(_Payload):
     groups: dict[str, float]
     """Success rate per task group: `env:<name>`, `tool:<expected tool>`, `mode:<failure>`."""
     group_samples: dict[str, int]
+    failure_modes: dict[str, int] = Field(default_factory=dict)
+    """Scored attempts per failure mode, every mode listed (`empty` = abstained, `truncated`
+    = cut by max_tokens, `timeout` = sampled past the deadline, …); empty in old records."""
+    not_run_kinds: dict[str, int] = Field(default_factory=dict)
+    """`not_run` by kind of infrastructure failure (`crash`, `sandbox`, …)."""
 
 
 class GateCheck(_Payload):
@@ -339,7 +345,9 @@ class GateSequential(_Payload):
     samples_per_task: int
     """Attempts per task and side it used."""
     pairs: int
-    stop: Literal["win", "loss", "futility", "budget"]
+    stop: Literal["win", "loss", "futility", "budget", "incomplete"]
+    """`incomplete`: the test needed a round whose pairs the infrastructure could not
+    complete (after retries); such an evaluation is never a promotion."""
     reason: str
     e_value: float
     threshold: float
@@ -446,12 +454,29 @@ class GateChanges(_Payload):
     """At most `GateSettings.changes_listed` of each."""
     per_mode: dict[str, ChangeCount]
     per_tool: dict[str, ChangeCount]
+class GateLifetime(_Payload):
+    """The candidate's share of production's false-promotion budget
+    (`flywheel.gate.lifetime`): the k-th candidate against one production is tested at level
+    alpha · γ_k, Σ γ_k ≤ 1, so all of them together promote a no-better one with probability
+    at most alpha."""
+
+    candidate_number: int
+    """k: this candidate's number among those evaluated against this production since it
+    was set (incomplete evaluations, which never promote, do not count)."""
+    alpha: float
+    """The lifetime bound (`gate.alpha`)."""
+    level: float
+    """This candidate's level alpha · γ_k (the sequential test promotes at 1/level)."""
+    spent: float
+    """The budget spent by candidates 1 … k: alpha · Σ_{j≤k} γ_j < alpha."""
 
 
 class GateDecision(_Payload):
     """What the gate's rule decided and why (`flywheel.gate.decision.decide`)."""
 
-    recommendation: Literal["promote", "reject"]
+    recommendation: Literal["promote", "reject", "incomplete"]
+    """`incomplete`: the infrastructure could not complete the pairs the test needed;
+    recorded and visible, never carried out as a promotion (re-evaluate the version)."""
     candidate: GateMetrics
     baseline: GateMetrics
     test: str
@@ -477,6 +502,9 @@ class GateDecision(_Payload):
     changes: GateChanges | None = None
     warnings: list[str] = Field(default_factory=list)
     """What a reviewer should look at that does not block promotion (e.g. the train gap)."""
+    lifetime: GateLifetime | None = None
+    """Where this candidate stands in production's false-promotion budget (None in records
+    from before it was kept, and under `gate.test_only_accept`)."""
 
 
 class AdapterEvaluatedPayload(GateDecision):

@@ -7,8 +7,11 @@ built-in environment. A `tool_call` spec expects one turn of calls, a multiset o
 (BFCL's possible-answer semantics, see `ExpectedCall` and docs/VERIFIER.md), e.g.
 `{"kind": "tool_call", "expected": [{"name": "get_weather", "arguments": {"city": "Oslo"},
 "alternatives": {"city": ["Oslo, Norway"]}, "optional": []}], "unsafe_tools": []}`.
-A verifier returns a `VerifierResult`; an attempt that did not run (timeout before any
-output, crash, sandbox failure) is a `RolloutNotRun`, never reward 0.
+A verifier returns a `VerifierResult`. Whatever the *model* did is scored: an empty reply
+(`empty`), a reply cut by `max_tokens` (`truncated`), sampling past the deadline (`timeout`)
+and an unreadable reply (`invalid_format`) are failures with reward 0. Only what the
+infrastructure failed to do (engine unreachable, judge or sandbox unavailable, a crash or a
+hung verifier in our code) is a `RolloutNotRun`: not scored, counted, retried by the gate.
 
 Conventions that trajectories use to carry verification data (the simulator follows them):
 * `tools[i]["x-unsafe"] = true` marks a tool whose call is an unsafe action.
@@ -32,6 +35,11 @@ FailureMode = Literal["invalid_format", "wrong_tool", "bad_arguments", "hallucin
                       "unsafe_action", "tool_error", "timeout", "incomplete", "escalated",
                       "other"]
 FAILURE_MODES: tuple[str, ...] = FailureMode.__args__  # type: ignore[attr-defined]
+AttemptFailure = FailureMode | Literal["empty", "truncated"]
+"""Why one attempt failed: a task's failure modes, and two that only an attempt can have —
+`empty` (it answered nothing: an abstention) and `truncated` (cut by `max_tokens`)."""
+NotRunKind = Literal["crash", "sandbox", "judge_unavailable", "verifier_timeout"]
+"""Infrastructure failures: the attempt could not be scored, through no fault of the model."""
 Split = Literal["train", "holdout"]
 
 
@@ -147,16 +155,16 @@ class TaskSpec(_Frozen):
 class VerifierResult(_Frozen):
     reward: float
     reward_components: dict[str, float]
-    failure_mode: FailureMode | None
+    failure_mode: AttemptFailure | None
     """Why the attempt failed (None when it succeeded)."""
     details: dict[str, Any] = Field(default_factory=dict)
 
 
 class RolloutNotRun(Exception):
-    """The attempt produced nothing scoreable: excluded from training and counted."""
+    """The infrastructure could not score the attempt (see `NotRunKind`): excluded from
+    training and counted; the gate retries it and never decides on it."""
 
-    def __init__(self, kind: Literal["timeout", "crash", "sandbox", "empty", "judge_unavailable"],
-                 message: str) -> None:
+    def __init__(self, kind: NotRunKind, message: str) -> None:
         super().__init__(f"{kind}: {message}")
         self.kind = kind
         self.message = message

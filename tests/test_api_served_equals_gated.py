@@ -9,9 +9,8 @@ no `tool_choice` — through `POST /v1/chat/completions` with the official `open
 and the returned `tool_calls` are scored by the same verifier; then once more through
 `POST /v1/responses` (`client.responses.create`, the task's messages as input items), whose
 `function_call` items score task by task as the chat answers do, from the same prompts.
-Gated and served success rates agree (within 2 points; greedy decoding on both sides makes
-them agree task by task), and the served prompts are token for token the ones the policy's
-chat format renders for the gate.
+The success rates agree task by task (greedy decoding on both sides), and the served
+prompts are token for token the ones the policy's chat format renders for the gate.
 
 The sides must also agree on failures: with the gate's 40-token budget a `create_ticket`
 call (about 41 tokens in the chat format) is cut before its closing tag on both sides, so
@@ -99,12 +98,13 @@ def _settings(db_url: str, home: Path) -> Settings:
         api=ApiSettings(tokens={TOKEN: ["publish"]}, serve=True),
         rollout=RolloutSettings(model_dir=resolve_model_dir(None), max_tokens=MAX_TOKENS),
         trainer=TrainerSettings(adapters_dir=home / "adapters"),
-        # Greedy, one sample per task, so one round and the fixed exact test (16 greedy
-        # pairs cannot carry the sequential test's e-value to 1/alpha: what is compared here
-        # is served vs gated, not the decision rule); the latency guard is loosened only
-        # because this shared 2-core machine makes latency noise.
+        # Greedy, one sample per task, so one round and the fixed exact test; 8 greedy pairs
+        # cannot reach a first candidate's level (5 wins: p = 1/32 > 0.0304), and what is
+        # compared here is served vs gated, not the decision rule: the documented test-only
+        # override passes significance and gain. The latency guard is loosened only because
+        # this shared 2-core machine makes latency noise.
         gate=GateSettings(mode="auto", samples_per_task=1, round_samples=1, temperature=0.0,
-                          test="mcnemar", latency_p95_ratio=100.0))
+                          test="mcnemar", latency_p95_ratio=100.0, test_only_accept=True))
 
 
 def _warm_start(path: Path) -> list[float]:
@@ -244,7 +244,10 @@ async def test_production_answers_score_as_the_gate_measured(db_url: str,
     print(report)
     assert record["candidate"]["success_rate"] == gated_rate
     assert gated_rate > 0 and served_rate > 0, report  # a comparison of zeros means nothing
-    assert abs(served_rate - gated_rate) <= 0.02, report
+    assert 0 < served_rate < 1, report  # the cut create_ticket calls fail on both sides
+    # Greedy on both sides: they agree task by task, not only on the rate.
+    assert set(gated_by_task) == set(served) == {str(t.task_id) for t in holdout.tasks}
+    assert gated_by_task == served, report
     for answer, task in answers:
         assert answer.model == "policy@v1", answer.model
         assert answer.model_extra["prompt_token_ids"] == prompts[str(task.task_id)]

@@ -120,10 +120,9 @@ def test_unreachable_or_unconfigured_judge(monkeypatch: pytest.MonkeyPatch) -> N
     assert info.value.kind == "judge_unavailable"
 
 
-def test_empty_answer_did_not_run() -> None:
-    with pytest.raises(RolloutNotRun) as info:
-        JudgeEnvironment("http://127.0.0.1:9").verify(SPEC, "  ")
-    assert info.value.kind == "empty"
+def test_empty_answer_is_scored_zero_without_asking_the_judge() -> None:
+    got = JudgeEnvironment("http://127.0.0.1:9").verify(SPEC, "  ")  # nothing listens there
+    assert got.reward == 0.0 and got.failure_mode == "empty"
 
 
 def test_parse_judge_reply() -> None:

@@ -60,10 +60,10 @@ def r(reward: float, mode: FailureMode | None = None) -> VerifierResult:
 def test_profile_rewards_hand_computed() -> None:
     results: list[VerifierResult | RolloutNotRun] = [
         r(1.0), r(0.0, "wrong_tool"), r(0.25, "bad_arguments"), r(0.75, "other"),
-        RolloutNotRun("empty", "nothing"), RolloutNotRun("sandbox", "broken")]
+        RolloutNotRun("crash", "nothing"), RolloutNotRun("sandbox", "broken")]
     p = profile_rewards(results)
     assert p["count"] == 4
-    assert p["not_run"] == {"count": 2, "by_kind": {"empty": 1, "sandbox": 1}}
+    assert p["not_run"] == {"count": 2, "by_kind": {"crash": 1, "sandbox": 1}}
     assert p["mean"] == 0.5
     assert p["std"] == pytest.approx(((0.25 + 0.25 + 0.0625 + 0.0625) / 4) ** 0.5)
     assert (p["min"], p["max"]) == (0.0, 1.0)

@@ -142,10 +142,9 @@ def test_sandbox_that_cannot_start_did_not_run(monkeypatch: pytest.MonkeyPatch) 
 
 
 @pytest.mark.parametrize("output", ["", "```python\n```", None])
-def test_no_code_did_not_run(output: str | None) -> None:
-    with pytest.raises(RolloutNotRun) as info:
-        CodeEnvironment().verify(SQUARE, output)
-    assert info.value.kind == "empty"
+def test_no_code_is_an_abstention_scored_zero(output: str | None) -> None:
+    got = CodeEnvironment().verify(SQUARE, output)
+    assert got.reward == 0.0 and got.failure_mode == "empty"
 
 
 def test_tests_without_cases_are_a_task_bug() -> None:

@@ -11,7 +11,7 @@ from flywheel.environments.calls import Call
 from flywheel.environments.matching import arguments_match, fold_text, values_match
 from flywheel.environments.scoring import best_assignment
 from flywheel.environments.tool_call import ToolCallEnvironment, verify_calls, verify_tool_call
-from flywheel.tasks import ExpectedCall, RolloutNotRun, ToolCallSpec, VerifierResult
+from flywheel.tasks import ExpectedCall, ToolCallSpec, VerifierResult
 
 TOOLS: list[dict[str, Any]] = [
     {"type": "function", "name": "set_priority",
@@ -311,10 +311,11 @@ def test_fence_whitespace_and_trailing_text_are_tolerated() -> None:
 
 
 @pytest.mark.parametrize("output", ["", "   \n", None, message(), {"role": "assistant"}])
-def test_empty_output_did_not_run(output: Any) -> None:
-    with pytest.raises(RolloutNotRun) as info:
-        ToolCallEnvironment().verify(spec(ticket="T-1", priority=2), output, tools=TOOLS)
-    assert info.value.kind == "empty"
+def test_empty_output_is_an_abstention_scored_zero(output: Any) -> None:
+    # Answering nothing must never beat a wrong answer: it is scored, reward 0, `empty`.
+    got = ToolCallEnvironment().verify(spec(ticket="T-1", priority=2), output, tools=TOOLS)
+    assert got.reward == 0.0 and got.failure_mode == "empty"
+    assert set(got.reward_components.values()) == {0.0}
 
 
 def test_old_stored_task_json_still_loads() -> None:

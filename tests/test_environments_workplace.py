@@ -15,7 +15,7 @@ from flywheel.environments.workplace import (
     canonical_state,
     verify_workplace,
 )
-from flywheel.tasks import RolloutNotRun, WorkplaceSpec
+from flywheel.tasks import WorkplaceSpec
 
 INITIAL: dict[str, Any] = {
     "calendar": {"events": [{"id": "evt-1", "title": "Standup", "day": "2025-03-03",
@@ -211,10 +211,9 @@ def test_session_refuses_steps_past_the_budget() -> None:
     assert env.verify(spec, env.session_output("s")).failure_mode == "incomplete"
 
 
-def test_no_output_did_not_run() -> None:
-    with pytest.raises(RolloutNotRun) as info:
-        WorkplaceEnvironment().verify(task(OUTAGE), None)
-    assert info.value.kind == "empty"
+def test_no_output_is_an_abstention_scored_zero() -> None:
+    got = WorkplaceEnvironment().verify(task(OUTAGE), None)
+    assert got.reward == 0.0 and got.failure_mode == "empty"
 
 
 def test_strict_replay_rejects_an_invalid_correction() -> None:

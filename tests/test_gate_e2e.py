@@ -73,7 +73,7 @@ async def _publish_version(settings: Settings, store: AdapterStore, version: int
 def _gate_settings(settings: Settings, mode: str, tmp_path: Path) -> Settings:
     return settings.model_copy(update={
         "gate": settings.gate.model_copy(update={
-            "mode": mode, "samples_per_task": 2, "min_gain": -1.0, "alpha": 1.01,
+            "mode": mode, "samples_per_task": 2, "test_only_accept": True,
             "group_tolerance": 1.0, "invalid_tolerance": 1.0, "reward_tolerance": 1.0,
             "latency_p95_ratio": 100.0, "tokens_ratio": 100.0}),
         "rollout": settings.rollout.model_copy(update={

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from flywheel.config import GateSettings
+from flywheel.gate.lifetime import rule_for
 from flywheel.gate.power import (
     ASSUMED_DISCORDANCE,
     between_sample_discordance,
@@ -68,9 +69,10 @@ def test_pairs_needed_inverts_the_mde() -> None:
     # Fixed design: the test binds: x = 0.1/((1.644854 + 0.841621)·0.5) = 0.080435 →
     # N = 154.6 → 155 (the floor only needs (0.05/(0.841621·0.5))⁻² = 70.8).
     assert pairs_needed(0.25, FIXED) == 155
-    # A rule that always passes (alpha ≥ 1, as tests use to force a promotion) still has an
-    # answer: only the noise term, (0.05/(1.220640·0.5))⁻² = 148.996 → 149.
-    assert pairs_needed(0.25, SEQ.model_copy(update={"alpha": 1.01})) == 149
+    # The rule a test forcing a promotion runs under (level 1.01, `gate.test_only_accept`)
+    # still has an answer: only the noise term, (0.05/(1.220640·0.5))⁻² = 148.996 → 149.
+    permissive = rule_for(SEQ.model_copy(update={"test_only_accept": True}), 1)
+    assert permissive.alpha > 1 and pairs_needed(0.25, permissive) == 149
 
 
 def test_between_sample_discordance_is_unbiased_per_task() -> None:

@@ -90,30 +90,37 @@ def _runs(rounds: list[tuple[int, int, int]], n_tasks: int = 10, s: int = 2
 def test_round_counts_pair_by_task_and_index() -> None:
     cand, base = _runs([(10, 0, 10), (2, 0, 18)])
     assert round_counts(cand, base, 2) == [Counts(10, 0, 10), Counts(2, 0, 18)]
-    # An attempt that did not run leaves its pair out; a round missing entirely ends the
-    # usable rounds (later ones are not looked at without it).
-    some = EvalRun(1, base.task_groups, [a for a in base.attempts if a.index != 0])
-    assert round_counts(cand, some, 2) == [Counts(0, 0, 10), Counts(2, 0, 18)]
+    # Only complete rounds count: one pair the infrastructure could not run makes its round
+    # unusable, and ends the usable rounds there (later ones are not looked at without it).
+    one = EvalRun(1, base.task_groups, base.attempts[1:], not_run=1)
+    assert round_counts(cand, one, 2) == []
+    late = EvalRun(1, base.task_groups, [a for a in base.attempts if a.index != 3])
+    assert round_counts(cand, late, 2) == [Counts(10, 0, 10)]
     gap = EvalRun(1, base.task_groups, [a for a in base.attempts if a.index >= 2])
     assert round_counts(cand, gap, 2) == []
 
 
 def test_decide_cuts_the_runs_where_the_test_stopped_and_records_why() -> None:
-    cand, base = _runs([(10, 0, 10), (2, 0, 18), (0, 20, 0)])  # round 3 never looked at
+    # The first candidate against a production is tested at alpha·6/π² = 0.030396
+    # (ln 1/level = 3.493): 10·ln(4/3) + 4·ln 1.2 = 2.876821 + 0.729286 = 3.606107 crosses it
+    # after round 2 (2 wins there, 3.241463, would cross 1/alpha but not the candidate's level).
+    cand, base = _runs([(10, 0, 10), (4, 0, 16), (0, 20, 0)])  # round 3 never looked at
     d = decide(cand, base, RULE)
     assert d.recommendation == "promote", d.reasons
     assert d.sequential is not None and d.sequential.stop == "win"
     assert d.sequential.samples_per_task == 4 and d.sequential.pairs == 40
     assert d.candidate.samples == 40 and d.sequential.rounds_planned == 10
-    assert d.test == "sequential" and d.statistic == pytest.approx(math.exp(3.241463), rel=1e-5)
+    assert d.test == "sequential" and d.statistic == pytest.approx(math.exp(3.606107), rel=1e-5)
+    assert d.sequential.threshold == pytest.approx(1 / (0.05 * 6 / math.pi ** 2))
+    assert d.lifetime is not None and d.lifetime.candidate_number == 1
     assert d.power is not None and d.power.pairs == 200  # 10 tasks × the budget of 20
-    assert d.power.discordance == pytest.approx(13 / 42)  # (12 + 1)/(40 + 2) observed
+    assert d.power.discordance == pytest.approx(15 / 42)  # (14 + 1)/(40 + 2) observed
     assert "observed" in d.power.discordance_source
     assert d.latency == "attempts" and d.thresholds["design_gain"] == pytest.approx(0.1)
 
 
 def test_latency_guard_uses_the_paired_probe() -> None:
-    cand, base = _runs([(10, 0, 10), (2, 0, 18)])
+    cand, base = _runs([(10, 0, 10), (4, 0, 16)])
     slow = LatencyProbe(pairs=2, candidate_p95_ms=500.0, production_p95_ms=100.0,
                         candidate_mean_ms=450.0, production_mean_ms=90.0)
     d = decide(cand, base, RULE, probe=slow)
@@ -122,3 +129,36 @@ def test_latency_guard_uses_the_paired_probe() -> None:
     # The attempts' own latencies (production's from another time) are not judged.
     even = slow.model_copy(update={"candidate_p95_ms": 150.0})
     assert decide(cand, base, RULE, probe=even).recommendation == "promote"
+
+
+def test_a_missing_pair_ends_the_evaluation_incomplete_unless_the_test_already_stopped(
+) -> None:
+    cand, base = _runs([(1, 0, 19), (1, 0, 19), (1, 0, 19)])
+    lost = EvalRun(2, cand.task_groups, [a for a in cand.attempts if (a.task, a.index) !=
+                                         ("t3", 2)], not_run=1, not_run_kinds={"crash": 1})
+    d = decide(lost, base, RULE)
+    assert d.recommendation == "incomplete" and d.sequential is not None
+    assert d.sequential.stop == "incomplete" and len(d.sequential.rounds) == 1
+    assert d.reasons[0] == ("incomplete, not decided: round 2 is incomplete: 1 candidate and "
+                            "0 production attempts could not be run after the retries (crash "
+                            "1); re-evaluate once the infrastructure is back")
+    fixed = decide(lost, base, RULE.model_copy(update={"test": "mcnemar"}))
+    assert fixed.recommendation == "incomplete"  # a fixed test needs every pair
+    # Production having more rounds cached than the candidate reached is no gap.
+    short = EvalRun(2, cand.task_groups, [a for a in cand.attempts if a.index < 4])
+    assert decide(short, base, RULE).sequential.stop == "budget"  # type: ignore[union-attr]
+    # A test that stopped before the gap is decided: 10 clear wins per round.
+    won, prod = _runs([(10, 0, 10), (4, 0, 16), (0, 0, 20)])
+    gap = EvalRun(2, won.task_groups, [a for a in won.attempts if a.index < 4 or a.task != "t0"],
+                  not_run=2)
+    assert decide(gap, prod, RULE).recommendation == "promote"
+
+
+@pytest.mark.parametrize("test", ["sequential", "mcnemar", "bootstrap"])
+def test_the_test_only_override_promotes_and_reports_what_the_real_gate_could_see(
+        test: str) -> None:
+    cand, base = _runs([(1, 0, 19)])  # one win in 20 pairs: no evidence at all
+    d = decide(cand, base, RULE.model_copy(update={"test": test, "test_only_accept": True}))
+    assert d.recommendation == "promote" and d.lifetime is None
+    assert d.reasons[-1].startswith("TEST ONLY: gate.test_only_accept")
+    assert d.power is not None and d.power.alpha == pytest.approx(0.05 * 6 / math.pi ** 2)

@@ -21,6 +21,7 @@ from flywheel.events import AdapterTrained, AdapterTrainedPayload
 from flywheel.gate import service as gate_service
 from flywheel.gate.decision import Attempt, EvalRun
 from flywheel.gate.evaluate import Holdout, task_groups
+from flywheel.gate.lifetime import candidate_number, rule_for
 from flywheel.mining.store import freeze_eval_set, store_task
 from flywheel.policy.base import AdapterRef
 from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
@@ -129,6 +130,12 @@ async def test_rounds_stop_when_clear_and_production_is_sampled_once_per_index(
     second = events[0].payload
     assert second.recommendation == "reject" and second.sequential is not None
     assert second.sequential.stop in ("futility", "budget"), second.sequential.reason
+    # Each production's lifetime budget starts at candidate 1 (v1 against the base model,
+    # v2 against v1); the next candidate against v1 is number 2, at a quarter of the level.
+    assert record.lifetime is not None and record.lifetime.candidate_number == 1
+    assert second.lifetime is not None and second.lifetime.candidate_number == 1
+    async with engine.connect() as conn:
+        assert await candidate_number(conn, "policy", 1) == 2
     deeper = len(second.sequential.rounds)
     assert sorted(c for c in sampler.calls if c[0] == 2) == [(2, r) for r in range(deeper)]
     assert sorted(c for c in sampler.calls if c[0] == 1) == [(1, r)
@@ -161,5 +168,59 @@ async def _replay(gate: gate_service.GateService, s: Settings) -> tuple[EvalRun,
 
     async with gate.engine.connect() as conn:
         holdout = await load_holdout(conn)
-    cand, base, _ = await gate._rounds(2, 1, holdout)
+    cand, base, _ = await gate._rounds(2, 1, holdout, rule_for(s.gate, 1))
     return cand, base
+
+
+class Unreachable(Sampler):
+    """The engine cannot run the candidate's attempts at one task (after the retries)."""
+
+    async def __call__(self, policy: Any, holdout: Holdout, adapter: AdapterRef | None,
+                       settings: Settings, round_: int = 0) -> EvalRun:
+        run = await super().__call__(policy, holdout, adapter, settings, round_)
+        if adapter is None:
+            return run
+        lost = str(holdout.tasks[0].task_id)
+        kept = [a for a in run.attempts if a.task != lost]
+        gone = len(run.attempts) - len(kept)
+        return EvalRun(run.version, run.task_groups, kept, not_run=gone,
+                       not_run_kinds={"crash": gone})
+
+
+async def test_an_evaluation_the_infrastructure_cannot_complete_ends_incomplete(
+        engine: AsyncEngine, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = settings.model_copy(update={"gate": settings.gate.model_copy(update={
+        "samples_per_task": 20, "round_samples": 2, "group_min_samples": 10_000})})
+    async with engine.begin() as conn:
+        for i in range(10):
+            task = TaskSpec(task_id=uuid.uuid4(), env="tool_call", tools=TOOLS,
+                            messages=[{"role": "user", "content": f"Weather in town {i}?"}],
+                            verifier=ToolCallSpec(expected=ExpectedCall(
+                                name="get_weather", arguments={"city": f"t{i}"})),
+                            failure_mode="bad_arguments", fingerprint=f"u{i}",
+                            split="holdout")
+            await store_task(conn, task, uuid.uuid4(), "human_correction", s.topics)
+        await freeze_eval_set(conn, s.topics)
+    sampler = Unreachable(engine)
+    monkeypatch.setattr(gate_service, "evaluate", sampler)
+    monkeypatch.setattr(gate_service, "probe_latency", _probe)
+    gate = gate_service.GateService(s, engine, FakePolicy())  # type: ignore[arg-type]
+    monkeypatch.setattr(type(gate.adapters), "__call__", lambda self, v: _ref(v))
+
+    await _train(engine, s, 1)
+    events = await gate.evaluate_version(1)
+    # Recorded, nothing carried out: neither promoted nor rejected, and it stopped sampling
+    # at the first round it could not complete.
+    assert [e.type for e in events] == ["AdapterEvaluated"]
+    record = events[0].payload
+    assert record.recommendation == "incomplete" and record.sequential is not None
+    assert record.sequential.stop == "incomplete" and record.candidate.not_run_kinds == {
+        "crash": 2}
+    assert sorted(sampler.calls, key=str) == [(1, 0), (None, 0)]
+    async with engine.begin() as conn:
+        assert await registry.production_version(conn, s.policy) is None
+        with pytest.raises(lifecycle.LifecycleError, match="incomplete"):
+            await lifecycle.approve(conn, record.evaluation_id, actor="op", reason="ship it",
+                                    topics=s.topics, force=True)
+        # It spent nothing of production's budget: the next candidate is still number 1.
+        assert await candidate_number(conn, s.policy, None) == 1

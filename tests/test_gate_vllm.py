@@ -43,7 +43,7 @@ def gate_settings(home: Path, db_url: str, urls: list[str]) -> Settings:
     return s.model_copy(update={
         "policy": POLICY, "db": DbSettings(url=db_url),
         "gate": s.gate.model_copy(update={
-            "mode": "auto", "samples_per_task": 2, "min_gain": -1.0, "alpha": 1.01,
+            "mode": "auto", "samples_per_task": 2, "test_only_accept": True,
             "group_tolerance": 1.0, "invalid_tolerance": 1.0, "reward_tolerance": 1.0,
             "latency_p95_ratio": 100.0, "tokens_ratio": 100.0}),
         "trainer": s.trainer.model_copy(update={"adapters_dir": home / "adapters"})})

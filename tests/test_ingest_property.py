@@ -127,6 +127,13 @@ async def settled(stack: Stack, timeout: float = 150) -> None:
     raise AssertionError(f"lag did not return to 0: {lags}\n{stack.tail()}")
 
 
+async def _stored_at(conn: asyncpg.Connection, topic: str) -> set[tuple[int, int]]:
+    """The (partition, offset) every stored trajectory row came from."""
+    return {(r[0], r[1]) for r in await conn.fetch(
+        "SELECT source_partition, source_offset FROM trajectories "
+        "WHERE source_topic = $1 AND source_offset IS NOT NULL", topic)}
+
+
 async def check_batch(stack: Stack, batch: list[Sent]) -> None:
     s = stack.settings
     topic = s.topics.trajectories
@@ -152,6 +159,7 @@ async def check_batch(stack: Stack, batch: list[Sent]) -> None:
                                 "FROM dead_letters WHERE topic = $1", topic)
         mined = {r[0] for r in await conn.fetch(
             "SELECT trajectory_id FROM failures WHERE trajectory_id = ANY($1::uuid[])", ids)}
+        stored_at = await _stored_at(conn, topic)
     finally:
         await conn.close()
     assert not [d for d in dead if d["consumer"] != "ingest"], \
@@ -167,6 +175,8 @@ async def check_batch(stack: Stack, batch: list[Sent]) -> None:
     rejected = {(p, o) for (p, o), e in zip(positions, expected, strict=True)
                 if not isinstance(e, Accepted)}
     assert {pos for pos in letters if pos in mine} == rejected  # one dead letter each, no more
+    # ... and nothing else: a refused message left no row (never both a row and a letter).
+    assert not rejected & stored_at, f"refused yet stored: {sorted(rejected & stored_at)}"
     for tid, row in rows.items():
         if (row["source_partition"], row["source_offset"]) in mine:  # first seen here
             assert [e for (pos, e) in zip(positions, expected, strict=True)
@@ -208,6 +218,7 @@ async def test_the_gateway_and_kafka_agree_on_every_fixed_example(stack: Stack) 
                    await conn.fetch("SELECT partition, \"offset\", reason, error FROM "
                                     "dead_letters WHERE topic = $1", topic)}
         all_ids = {str(r[0]) for r in await conn.fetch("SELECT trajectory_id FROM trajectories")}
+        stored_at = await _stored_at(conn, topic)
     finally:
         await conn.close()
     status = {"schema": 422, "not_json": 400, "too_large": 413}
@@ -218,6 +229,7 @@ async def test_the_gateway_and_kafka_agree_on_every_fixed_example(stack: Stack) 
             assert p.expected == reason
             assert answer.status_code == status[reason], (p.name, body)
             assert f"trajectories[0]: {error}" in body["detail"], (p.name, body, error)
+            assert pos not in stored_at, f"{p.name}: refused yet stored"
         else:
             assert p.expected is None, p.name
             assert answer.status_code == 202, (p.name, body)

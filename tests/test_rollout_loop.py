@@ -8,6 +8,7 @@ write; the real engine is exercised in tests/test_rollout_local.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -146,7 +147,7 @@ def _email(messages: list[dict[str, Any]]) -> str:
 
 
 @pytest.mark.parametrize("engine", [Scripted, Lockstep])
-async def test_straggler_does_not_hold_the_group_and_is_not_scored_zero(
+async def test_straggler_does_not_hold_the_group_and_is_scored_a_timeout(
         fmt: ChatFormat, engine: type[Scripted]) -> None:
     async def reply(messages: list[dict[str, Any]], seed: int | None, _i: int) -> str:
         if engine is Scripted and (seed or 0) // 1000 % 1000 == 2:
@@ -160,14 +161,18 @@ async def test_straggler_does_not_hold_the_group_and_is_not_scored_zero(
     out = await run_group(engine(reply, fmt), _workplace_task(), load_environment("workplace"),
                           cfg, adapter=None, seed=0, group_key="g")
     assert time.perf_counter() - started < 3
+    # Running past the deadline is the attempt's failure: scored 0 (`timeout`), kept in the
+    # group so GRPO pushes it down, never left out as if it had not run.
     if engine is Lockstep:
-        assert all(r.reward is None and r.not_run == "timeout" for r in out.rollouts)
+        assert all(r.reward == 0.0 and r.failure_mode == "timeout" and r.not_run is None
+                   for r in out.rollouts)
+        assert all(len(r.turns) == 1 for r in out.rollouts)  # the turn it did sample
         return
     straggler = out.rollouts[2]
-    assert straggler.reward is None and straggler.not_run == "timeout"
-    assert [r.reward for r in out.rollouts if r.index != 2] == [1.0, 1.0, 1.0]
-    assert len(out.scored) == 3 and out.reward_mean == 1.0
-    assert not out.trainable  # all scored attempts succeeded: zero variance
+    assert straggler.reward == 0.0 and straggler.failure_mode == "timeout"
+    assert [r.reward for r in out.rollouts] == [1.0, 1.0, 0.0, 1.0]
+    assert len(out.scored) == 4 and out.reward_mean == 0.75
+    assert out.trainable  # the timeout against three successes: a signal
 
 
 @pytest.mark.parametrize("engine", [Scripted, Lockstep])
@@ -216,6 +221,33 @@ async def test_an_unparsable_reply_ends_the_episode(fmt: ChatFormat) -> None:
                           adapter=None, seed=0, group_key="g")
     assert [len(r.turns) for r in out.rollouts] == [1, 1]
     assert [r.failure_mode for r in out.rollouts] == ["incomplete", "incomplete"]
+
+
+class Cut(Scripted):
+    """Replies whose text starts with "CUT:" come back as cut by max_tokens."""
+
+    async def sample(self, messages: Sequence[Mapping[str, Any]], params: SamplingParams, *,
+                     tools: Sequence[Mapping[str, Any]] | None = None,
+                     adapter: AdapterRef | None = None) -> list[Completion]:
+        out = await super().sample(messages, params, tools=tools, adapter=adapter)
+        return [dataclasses.replace(c, text=c.text.removeprefix("CUT:"), finish_reason="length")
+                if c.text.startswith("CUT:") else c for c in out]
+
+
+async def test_empty_and_truncated_replies_are_scored_failures(fmt: ChatFormat) -> None:
+    right = tool_call("get_weather", city="Oslo")
+
+    async def reply(_m: list[dict[str, Any]], _seed: int | None, i: int) -> str:
+        return [right, "", "CUT:" + right[:30], "CUT:" + right, "  \n"][i]
+
+    out = await run_group(Cut(reply, fmt), _tool_task(), load_environment("tool_call"),
+                          GroupConfig(group_size=5, rollout_timeout_s=5), adapter=None,
+                          seed=1, group_key="g")
+    assert [r.failure_mode for r in out.rollouts] == [None, "empty", "truncated", None, "empty"]
+    # A reply cut mid-call scores 0 whatever the verifier thought of its fragment; one whose
+    # served text holds the right call before the cut is a success.
+    assert [r.reward for r in out.rollouts] == [1.0, 0.0, 0.0, 1.0, 0.0]
+    assert all(r.not_run is None for r in out.rollouts) and out.trainable
 
 
 def test_summary_excludes_not_run_from_statistics() -> None:

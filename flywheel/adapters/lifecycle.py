@@ -186,7 +186,9 @@ async def lock_production(conn: AsyncConnection, policy: str) -> tuple[int | Non
 
 async def record_evaluation(conn: AsyncConnection, payload: AdapterEvaluatedPayload,
                             topics: Topics) -> list[Event]:
-    """Record the decision; in `auto` mode also carry it out (promote or reject)."""
+    """Record the decision; in `auto` mode also carry it out (promote or reject). An
+    `incomplete` evaluation is recorded and left pending: neither a promotion nor a verdict
+    on the candidate (re-evaluate it once the infrastructure is back)."""
     current, _ = await lock_production(conn, payload.policy)
     if current != payload.baseline_version:
         raise Conflict(f"production of {payload.policy!r} moved to {version_label(current)} while "
@@ -198,7 +200,7 @@ async def record_evaluation(conn: AsyncConnection, payload: AdapterEvaluatedPayl
         if payload.recommendation == "promote":
             events.append(await approve(conn, payload.evaluation_id, actor="gate",
                                         reason=reason, topics=topics))
-        else:
+        elif payload.recommendation == "reject":
             events.append(await reject(conn, payload.evaluation_id, actor="gate",
                                        reason=reason, topics=topics))
     return events
@@ -229,6 +231,10 @@ async def approve(conn: AsyncConnection, evaluation_id: uuid.UUID, *, actor: str
     if current != ev["baseline_version"]:
         raise Conflict(f"production moved to {version_label(current)} since this evaluation "
                        f"compared {name} with {version_label(ev['baseline_version'])}; re-evaluate")
+    if ev["recommendation"] == "incomplete":  # no verdict to override: never a promotion
+        raise LifecycleError(f"the evaluation of {name} is incomplete "
+                             f"({'; '.join(ev['record']['reasons'][:1])}); re-evaluate it "
+                             "(`flywheel gate evaluate`) before promoting")
     if ev["recommendation"] != "promote" and not force:
         raise LifecycleError(f"the gate recommended rejecting {name} "
                              f"({'; '.join(ev['record']['reasons'])}); pass --force to "

@@ -1,9 +1,11 @@
 """The environment plugin contract: verify an attempt; optionally host multi-step sessions.
 
 An environment scores one attempt at a task with `verify(spec, output, tools=...)` and
-returns a `VerifierResult` (reward in [0, 1], named components, failure mode). An attempt
-that produced nothing scoreable raises `RolloutNotRun` instead: it is excluded from training
-and counted, never scored 0.
+returns a `VerifierResult` (reward in [0, 1], named components, failure mode). What the
+model did is always scored: an attempt that answered nothing is `empty` with reward 0
+(`abstained`), an unreadable one `invalid_format` — abstaining must never beat a wrong
+answer. Only a failure of the infrastructure (a judge or sandbox unavailable) raises
+`RolloutNotRun`: the attempt is excluded from training and counted, never scored 0.
 
 Multi-step environments also host sessions: `reset` opens one, `step` applies one tool call
 and returns the observation, `session_output` gives what `verify` scores, `close` drops it.
@@ -45,7 +47,8 @@ class Environment(ABC):
     @abstractmethod
     def verify(self, spec: AnySpec, output: object, *,
                tools: ToolSchemas | None = None) -> VerifierResult:
-        """Score `output` against `spec`; raise `RolloutNotRun` when there is nothing to score.
+        """Score `output` against `spec`; raise `RolloutNotRun` only when the infrastructure
+        could not score it (an empty output is scored: see `abstained`).
 
         `tools` are the task's tool schemas (types for argument matching, `x-unsafe` marks).
         """
@@ -88,6 +91,11 @@ def result(reward: float, components: Mapping[str, float], failure_mode: Any,
     """Build a VerifierResult with reward rounded to kill float noise (0.1+0.3+0.6 etc.)."""
     return VerifierResult(reward=round(reward, 6), reward_components=dict(components),
                           failure_mode=failure_mode, details=details)
+
+
+def abstained(components: Mapping[str, float], why: str) -> VerifierResult:
+    """The score of an attempt that answered nothing: reward 0, failure mode `empty`."""
+    return result(0.0, dict.fromkeys(components, 0.0), "empty", error=why)
 
 
 def _flat(tool: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -20,8 +20,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flywheel.tasks import RolloutNotRun
-
 
 @dataclass(frozen=True)
 class Call:
@@ -34,6 +32,10 @@ class Call:
 
 class MalformedOutput(ValueError):
     """The output is not a list of well-formed calls; the message says what is wrong."""
+
+
+class EmptyOutput(ValueError):
+    """The output holds neither text nor calls: an abstention (scored `empty`)."""
 
 
 def _arguments(raw: object, where: str) -> dict[str, Any]:
@@ -77,7 +79,7 @@ def calls_of_message(message: Mapping[str, Any]) -> list[Call]:
     """The calls of an assistant message ([] when it answered in text only).
 
     Raises `MalformedOutput` for a parse failure the message reports or a malformed call,
-    and `RolloutNotRun("empty")` when the message holds neither text nor calls.
+    and `EmptyOutput` when the message holds neither text nor calls.
     """
     role = message.get("role", "assistant")
     if role != "assistant":
@@ -89,7 +91,7 @@ def calls_of_message(message: Mapping[str, Any]) -> list[Call]:
         raise MalformedOutput(f"tool_calls must be a list, got {type(raw).__name__}")
     content = message.get("content")
     if not raw and not (isinstance(content, str) and content.strip()):
-        raise RolloutNotRun("empty", "the assistant message has neither text nor tool calls")
+        raise EmptyOutput("the assistant message has neither text nor tool calls")
     return calls_of(raw)
 
 

@@ -17,7 +17,8 @@ ran and was bad whenever the sandbox started, so these are scored failures, told
 | load_error, failed_tests, memory, output_limit, crashed | other |
 
 `bad_arguments` and `tool_error` are about tool calls, so code failures use `other` with the
-kind as the finer reason. Only a sandbox that could not start is `RolloutNotRun("sandbox")`.
+kind as the finer reason. An answer without code scores 0 (`empty`). Only a sandbox that
+could not start is `RolloutNotRun("sandbox")`.
 """
 
 from __future__ import annotations
@@ -26,15 +27,23 @@ import re
 import signal
 from typing import Any
 
-from flywheel.environments.base import AnySpec, Environment, ToolSchemas, expect_spec, result
+from flywheel.environments.base import (
+    AnySpec,
+    Environment,
+    ToolSchemas,
+    abstained,
+    expect_spec,
+    result,
+)
 from flywheel.environments.sandbox import Network, SandboxRun, case_ids, run_python
-from flywheel.tasks import CodeSpec, FailureMode, RolloutNotRun, VerifierResult
+from flywheel.tasks import CodeSpec, FailureMode, VerifierResult
 
 _BLOCK = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[ \t]*\n(.*?)^[ \t]*```", re.S | re.M)
 _PYTHON_TAGS = ("", "python", "python3", "py")
 _MODES: dict[str, FailureMode | None] = {
     "passed": None, "syntax_error": "invalid_format", "missing_entrypoint": "invalid_format",
     "timeout": "timeout"}
+_COMPONENTS = {"tests_passed": 0.0, "loaded": 0.0}
 
 
 def extract_code(text: str) -> str:
@@ -73,7 +82,7 @@ def verify_code(spec: CodeSpec, output: str, *, network: Network = "auto") -> Ve
     """Run the code in `output` against `spec.tests` and score the share of cases passed."""
     code = extract_code(output)
     if not code.strip():
-        raise RolloutNotRun("empty", "the attempt contains no code")
+        return abstained(_COMPONENTS, "the attempt contains no code")
     cases = case_ids(spec.tests)
     run = run_python(code, spec.tests, entrypoint=spec.entrypoint, timeout_s=spec.timeout_s,
                      memory_mb=spec.memory_mb, network=network)
@@ -106,7 +115,7 @@ class CodeEnvironment(Environment):
     def verify(self, spec: AnySpec, output: object, *,
                tools: ToolSchemas | None = None) -> VerifierResult:
         if output is None:
-            raise RolloutNotRun("empty", "the attempt produced no output")
+            return abstained(_COMPONENTS, "the attempt produced no output")
         if not isinstance(output, str):
             raise TypeError(f"code scores the model's answer text, got {type(output).__name__}")
         return verify_code(expect_spec(spec, CodeSpec, self.name), output, network=self.network)

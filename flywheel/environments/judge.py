@@ -4,7 +4,8 @@ Talks to any OpenAI-compatible `POST {base_url}/chat/completions`. Configuration
 the constructor, else from `FLYWHEEL_JUDGE__BASE_URL`, `FLYWHEEL_JUDGE__MODEL` and
 `FLYWHEEL_JUDGE__API_KEY`, read when the environment is built (never at import). With no
 base URL the judge is off: every verify raises `RolloutNotRun("judge_unavailable")`, so a
-missing judge never turns into reward 0.
+missing judge never turns into reward 0. An empty answer is the model's doing: it scores 0
+(`empty`) without asking the judge.
 
 The judge must reply with JSON `{"score": 0..10, "reason": "…"}` (a code fence or text
 around the object is tolerated). reward = score / 10; success ⇔ reward ≥ `pass_threshold`.
@@ -20,7 +21,14 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from flywheel.environments.base import AnySpec, Environment, ToolSchemas, expect_spec, result
+from flywheel.environments.base import (
+    AnySpec,
+    Environment,
+    ToolSchemas,
+    abstained,
+    expect_spec,
+    result,
+)
 from flywheel.tasks import JudgeSpec, RolloutNotRun, TaskSpec, VerifierResult
 
 _SYSTEM = ("You grade an AI assistant's answer against a rubric. Reply with only a JSON "
@@ -85,7 +93,7 @@ class JudgeEnvironment(Environment):
     def _score(self, spec: JudgeSpec, output: object,
                conversation: Sequence[Mapping[str, Any]]) -> VerifierResult:
         if output is None or (isinstance(output, str) and not output.strip()):
-            raise RolloutNotRun("empty", "the attempt produced no answer to judge")
+            return abstained({"judge_score": 0.0}, "the attempt produced no answer to judge")
         if not isinstance(output, str):
             raise TypeError(f"judge scores the answer text, got {type(output).__name__}")
         reply = self._ask(judge_messages(spec, output, conversation))

@@ -14,7 +14,8 @@ Accepted output (`ToolCallEnvironment.verify`):
 
 The calls compare with `spec.expected` as a multiset (`scoring`), arguments strictly by the
 tool's JSON schema (`matching`). Reward = 0.1·valid_json + 0.3·right_tool + 0.6·arguments;
-success ⇔ reward 1.0 ⇔ exactly the expected calls; unparseable output is `invalid_format`;
+success ⇔ reward 1.0 ⇔ exactly the expected calls; unparseable output is `invalid_format`,
+no output at all (no text, no call) is `empty` — both reward 0;
 a call to an unsafe tool scores 0 with `unsafe_action`. docs/VERIFIER.md has the rules and
 how they compare with BFCL's AST checker.
 """
@@ -23,11 +24,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from flywheel.environments.base import AnySpec, Environment, ToolSchemas, expect_spec, result
-from flywheel.environments.calls import Call, MalformedOutput, output_calls
+from flywheel.environments.base import (
+    AnySpec,
+    Environment,
+    ToolSchemas,
+    abstained,
+    expect_spec,
+    result,
+)
+from flywheel.environments.calls import Call, EmptyOutput, MalformedOutput, output_calls
 from flywheel.environments.prompt import InvalidCall, parse_tool_call
 from flywheel.environments.scoring import WEIGHTS, check_spec, verify_calls
-from flywheel.tasks import RolloutNotRun, ToolCallSpec, VerifierResult
+from flywheel.tasks import ToolCallSpec, VerifierResult
 
 __all__ = ["WEIGHTS", "InvalidCall", "ToolCallEnvironment", "parse_tool_call", "verify_calls",
            "verify_output", "verify_tool_call"]
@@ -41,9 +49,9 @@ def verify_tool_call(spec: ToolCallSpec, output: str,
     Without `tools`, names cannot be checked against the offered tools (a wrong name is
     `wrong_tool`, never `hallucinated_tool`) and arguments compare by their JSON types.
     """
-    if not output.strip():
-        raise RolloutNotRun("empty", "the attempt produced no text to parse as a tool call")
     check_spec(spec, tools)
+    if not output.strip():
+        return abstained(_ZERO, "the attempt produced no text to parse as a tool call")
     try:
         name, args, trailing = parse_tool_call(output)
     except InvalidCall as exc:
@@ -56,7 +64,8 @@ def verify_output(spec: ToolCallSpec, output: object,
                   tools: ToolSchemas | None = None) -> VerifierResult:
     """Score any accepted output (see the module doc): message, calls, one call, or text."""
     if output is None:
-        raise RolloutNotRun("empty", "the attempt produced no output")
+        check_spec(spec, tools)
+        return abstained(_ZERO, "the attempt produced no output")
     if isinstance(output, str):
         return verify_tool_call(spec, output, tools)
     if not isinstance(output, Mapping | Sequence):
@@ -67,6 +76,8 @@ def verify_output(spec: ToolCallSpec, output: object,
     extra = {"text": text[:200]} if isinstance(text, str) and text.strip() else {}
     try:
         calls = output_calls(output)
+    except EmptyOutput as exc:
+        return abstained(_ZERO, str(exc))
     except MalformedOutput as exc:
         return result(0.0, _ZERO, "invalid_format", error=str(exc), **extra)
     return verify_calls(spec, calls, tools, **extra)

@@ -29,6 +29,7 @@ from flywheel.environments.base import (
     Environment,
     Sessions,
     ToolSchemas,
+    abstained,
     expect_spec,
     result,
     unsafe_names,
@@ -41,7 +42,7 @@ from flywheel.environments.workplace_world import (
     canonical_state,
     normalize_state,
 )
-from flywheel.tasks import FailureMode, RolloutNotRun, VerifierResult, WorkplaceSpec
+from flywheel.tasks import FailureMode, VerifierResult, WorkplaceSpec
 
 __all__ = ["WORKPLACE_TOOLS", "WorkplaceEnvironment", "apply_call", "apply_calls",
            "canonical_state", "normalize_state", "verify_workplace"]
@@ -133,7 +134,8 @@ class WorkplaceEnvironment(Environment):
     def verify(self, spec: AnySpec, output: object, *,
                tools: ToolSchemas | None = None) -> VerifierResult:
         if output is None:
-            raise RolloutNotRun("empty", "the attempt produced neither calls nor an end state")
+            return abstained({**dict.fromkeys(SECTIONS, 0.0), "unsafe": 0.0},
+                             "the attempt produced neither calls nor an end state")
         if not isinstance(output, list | Mapping):
             raise TypeError(f"workplace scores a list of calls or an end-state dict, got "
                             f"{type(output).__name__}; pass session_output(session_id)")

@@ -3,7 +3,9 @@
 No I/O. An evaluation run is a list of attempts per task, sampled in rounds with the same
 task, sample index and seed on both sides; the decision compares a candidate run with the
 production run on the same tasks: the sequential test (`flywheel.gate.sequential`) over the
-rounds, or a fixed test over all of them, plus the guard metrics.
+complete rounds (`flywheel.gate.accounting`), or a fixed test over all of them, plus the
+guard metrics, at the candidate's level in production's lifetime budget
+(`flywheel.gate.lifetime`).
 """
 
 from __future__ import annotations
@@ -12,70 +14,22 @@ import math
 import random
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from flywheel.config import GateSettings
 from flywheel.events import GateCheck, GateDecision, GateMetrics, GateSequential, LatencyProbe
-from flywheel.gate import power, sequential
+from flywheel.gate import lifetime, power, sequential
+from flywheel.gate.accounting import (
+    REPLY_CHARS,
+    Attempt,
+    EvalRun,
+    complete_rounds,
+    failure_counts,
+    failure_line,
+    missing_pairs,
+    rounds_seen,
+)
 
-
-@dataclass(frozen=True)
-class Attempt:
-    task: str
-    index: int
-    success: bool
-    reward: float
-    invalid: bool
-    unsafe: bool
-    latency_ms: float
-    tokens: int
-    # What the model did, for the reward-hacking checks and "what changed"
-    # (`flywheel.gate.behaviour`, `flywheel.gate.changes`); runs cached before these were
-    # kept read back with `turns` 0 and are left out of those checks.
-    failure_mode: str | None = None
-    reply: str = ""
-    """The reply's text (every turn's, joined), cut to `REPLY_CHARS`."""
-    reply_chars: int = 0
-    finish_reason: str = ""
-    """The last turn's (`length` = cut by max_tokens)."""
-    turns: int = 0
-    calls: list[str] = field(default_factory=list)
-    """Names of the tools the replies called, in order."""
-    calling_turns: int = 0
-    """Turns that called at least one tool."""
-    components: dict[str, float] = field(default_factory=dict)
-
-
-REPLY_CHARS = 600
-
-
-@dataclass(frozen=True)
-class EvalRun:
-    """One side: every scored attempt, and the groups each task belongs to."""
-
-    version: int | None
-    task_groups: dict[str, list[str]]
-    attempts: list[Attempt]
-    not_run: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> EvalRun:
-        return cls(version=data["version"], task_groups=data["task_groups"],
-                   attempts=[Attempt(**a) for a in data["attempts"]],
-                   not_run=data["not_run"])
-
-    @classmethod
-    def combine(cls, rounds: Sequence[EvalRun]) -> EvalRun:
-        """Rounds of one side as one run (their attempts have distinct sample indices)."""
-        if not rounds:
-            raise ValueError("no rounds to combine")
-        return cls(version=rounds[0].version, task_groups=rounds[0].task_groups,
-                   attempts=[a for r in rounds for a in r.attempts],
-                   not_run=sum(r.not_run for r in rounds))
+__all__ = ["REPLY_CHARS", "Attempt", "EvalRun", "Rule", "decide", "metrics", "round_counts"]
 
 
 Rule = GateSettings
@@ -109,7 +63,8 @@ def metrics(run: EvalRun) -> GateMetrics:
         latency_p95_ms=_p95([x.latency_ms for x in a]),
         tokens_per_task=statistics.fmean([x.tokens for x in a]) if a else 0.0,
         groups={g: _rate(v) for g, v in sorted(groups.items())},
-        group_samples={g: len(v) for g, v in sorted(groups.items())})
+        group_samples={g: len(v) for g, v in sorted(groups.items())},
+        failure_modes=failure_counts(run), not_run_kinds=dict(sorted(run.not_run_kinds.items())))
 
 
 def _per_task_success(run: EvalRun) -> dict[str, float]:
@@ -162,28 +117,25 @@ def exact_mcnemar(wins: int, losses: int) -> float:
 
 def round_counts(cand: EvalRun, base: EvalRun, round_samples: int) -> list[sequential.Counts]:
     """Wins, losses and ties of the (task, sample) pairs, per round (sample index //
-    `round_samples`), for the rounds both sides have; unpaired attempts are left out."""
+    `round_samples`), for the complete rounds from round 0 up to the first gap: a round
+    with a pair missing on either side is never looked at, nor any after it."""
+    usable = complete_rounds(cand, base, round_samples)
     b = {(x.task, x.index): x.success for x in base.attempts}
-    rounds: dict[int, list[int]] = {}
+    rounds = [[0, 0, 0] for _ in range(usable)]
     for x in cand.attempts:
-        other = b.get((x.task, x.index))
-        if other is None:
-            continue
-        w = rounds.setdefault(x.index // round_samples, [0, 0, 0])
-        w[0 if x.success > other else 1 if x.success < other else 2] += 1
-    out = []
-    for r in range(len(rounds)):  # contiguous from round 0: a gap ends the usable rounds
-        if r not in rounds:
-            break
-        out.append(sequential.Counts(*rounds[r]))
-    return out
+        r = x.index // round_samples
+        if r < usable and (x.task, x.index) in b:
+            other = b[(x.task, x.index)]
+            rounds[r][0 if x.success > other else 1 if x.success < other else 2] += 1
+    return [sequential.Counts(*w) for w in rounds]
 
 
 def first_rounds(run: EvalRun, rounds: int, round_samples: int) -> EvalRun:
     """`run` cut to its first `rounds` rounds (what the test looked at)."""
     limit = rounds * round_samples
     return EvalRun(version=run.version, task_groups=run.task_groups,
-                   attempts=[x for x in run.attempts if x.index < limit], not_run=run.not_run)
+                   attempts=[x for x in run.attempts if x.index < limit], not_run=run.not_run,
+                   not_run_kinds=run.not_run_kinds)
 
 
 def paired_discordance(counts: list[sequential.Counts]) -> float | None:
@@ -191,31 +143,59 @@ def paired_discordance(counts: list[sequential.Counts]) -> float | None:
     return sequential.discordance(seen) if seen.pairs else None
 
 
+def _gap(cand: EvalRun, base: EvalRun, round_: int, s: int) -> str:
+    c, b = missing_pairs(cand, base, round_, s)
+    kinds = {**cand.not_run_kinds}
+    for k, n in base.not_run_kinds.items():
+        kinds[k] = kinds.get(k, 0) + n
+    why = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) or "not sampled"
+    return (f"round {round_ + 1} is incomplete: {c} candidate and {b} production attempts "
+            f"could not be run after the retries ({why}); re-evaluate once the "
+            f"infrastructure is back")
+
+
 def decide(cand: EvalRun, base: EvalRun, rule: Rule,
-           probe: LatencyProbe | None = None, extra: Sequence[GateCheck] = ()
-           ) -> GateDecision:
+           probe: LatencyProbe | None = None, extra: Sequence[GateCheck] = (), *,
+           candidate_number: int = 1) -> GateDecision:
     """Promote iff the gain is large enough, significant, and nothing guarded regresses.
 
-    Sequential: the runs are replayed round by round and cut where the test stopped; the
-    record keeps the rounds and the stopping reason. `probe`: paired latency probes (the
-    latency guard then compares them instead of each side's own attempts). `extra`: further
-    checks that must pass too (the reward-hacking checks, `flywheel.gate.hacking`)."""
+    The test runs at the level of the `candidate_number`-th candidate against this
+    production (`flywheel.gate.lifetime.rule_for`). Sequential: the runs are replayed round
+    by round over their complete rounds and cut where the test stopped; the record keeps the
+    rounds and the stopping reason. A test that needed a round the infrastructure could not
+    complete ends `incomplete`. `probe`: paired latency probes (the latency guard then
+    compares them instead of each side's own attempts). `extra`: further checks that must
+    pass too (the reward-hacking checks, `flywheel.gate.hacking`)."""
+    spend = lifetime.lifetime(rule, candidate_number)
+    # What the eval set could see is reported at the real level, even under the override.
+    seeing = lifetime.rule_for(rule.model_copy(update={"test_only_accept": False}),
+                               candidate_number)
+    lifetime_alpha, rule = rule.alpha, lifetime.rule_for(rule, candidate_number)
     seq: GateSequential | None = None
-    counts = round_counts(cand, base, rule.round_samples)
+    s = rule.round_samples
+    counts = round_counts(cand, base, s)
+    gap = _gap(cand, base, len(counts), s) if rounds_seen(cand, base, s) > len(counts) \
+        or cand.not_run or base.not_run else None
+    incomplete: str | None = None
     if rule.test == "sequential":
         outcome = sequential.run(counts, rule)
         used = outcome.used_rounds
-        cand, base = (first_rounds(cand, used, rule.round_samples),
-                      first_rounds(base, used, rule.round_samples))
+        cand, base = first_rounds(cand, used, s), first_rounds(base, used, s)
         counts = counts[:used]
         seen = sum(counts, sequential.Counts())
+        if outcome.stop is None and gap is not None:
+            incomplete = gap
         seq = GateSequential(
             rounds=outcome.rounds, rounds_planned=rule.max_rounds,
-            samples_per_task=used * rule.round_samples, pairs=seen.pairs,
-            stop=outcome.stop or "budget",
-            reason=outcome.reason if outcome.stop else f"{outcome.reason}: the runs end here",
+            samples_per_task=used * s, pairs=seen.pairs,
+            stop="incomplete" if incomplete else outcome.stop or "budget",
+            reason=incomplete or (outcome.reason if outcome.stop
+                                  else f"{outcome.reason}: the runs end here"),
             e_value=outcome.e_value, threshold=1 / rule.alpha)
         statistic, p = outcome.e_value, outcome.p_value
+    elif gap is not None:  # a fixed test needs all of its pairs
+        incomplete = gap
+        statistic, p = 0.0, 1.0
     elif rule.test == "mcnemar":
         statistic, p = mcnemar(cand, base)
     else:
@@ -258,24 +238,37 @@ def decide(cand: EvalRun, base: EvalRun, rule: Rule,
             detail=f"success on {g} {mb.groups[g]:.3f} → {mc.groups[g]:.3f} "
                    f"(may drop at most {rule.group_tolerance})"))
     checks += extra
+    if incomplete:
+        checks.insert(0, GateCheck(name="complete", passed=False, detail=incomplete))
     failed = [c for c in checks if not c.passed]
-    if failed:
+    if incomplete:
+        reasons = [f"incomplete, not decided: {incomplete}"]
+    elif failed:
         reasons = [f"not promoted: {c.name} failed — {c.detail}" for c in failed]
     else:
         reasons = [f"promote: {checks[1].detail}; {checks[2].detail}; no guard metric or task "
                    "group regressed beyond its tolerance"]
+    reasons.append(failure_line(mc, mb))
+    if spend is None:
+        reasons.append("TEST ONLY: gate.test_only_accept passed the significance and gain "
+                       "checks without evidence")
+    else:
+        reasons.append(f"candidate {spend.candidate_number} against this production: tested "
+                       f"at level {spend.level:.3g} of its lifetime alpha {spend.alpha:g} "
+                       f"({spend.spent:.3g} spent so far)")
     thresholds = {k: float(getattr(rule, k)) for k in _THRESHOLDS}
     thresholds["design_gain"] = rule.target_gain
+    thresholds["lifetime_alpha"] = lifetime_alpha
     observed = paired_discordance(counts)
     record = power.report(
-        rule, tasks=len(base.task_groups), discordance=observed,
+        seeing, tasks=len(base.task_groups), discordance=observed,
         source=f"observed on this evaluation's {sum(c.pairs for c in counts)} pairs",
         production_success=mb.success_rate if mb.samples else None)
-    return GateDecision(recommendation="reject" if failed else "promote", candidate=mc,
-                        baseline=mb, test=rule.test, statistic=statistic, p_value=p,
-                        thresholds=thresholds, checks=checks, reasons=reasons, power=record,
-                        sequential=seq, latency="paired_probe" if probe else "attempts",
-                        latency_probe=probe)
+    return GateDecision(
+        recommendation="incomplete" if incomplete else "reject" if failed else "promote",
+        candidate=mc, baseline=mb, test=rule.test, statistic=statistic, p_value=p,
+        thresholds=thresholds, checks=checks, reasons=reasons, power=record, sequential=seq,
+        latency="paired_probe" if probe else "attempts", latency_probe=probe, lifetime=spend)
 
 
 _THRESHOLDS = ("min_gain", "alpha", "power", "futility", "invalid_tolerance",

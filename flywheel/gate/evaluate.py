@@ -8,12 +8,19 @@ settings, so their attempts pair up by (task, index). Each round of a side is ca
 gate sampling settings, engine, chat format) plus the round, so production is sampled once
 per index however many candidates it meets, and an evaluation that goes deeper extends its
 cache.
+
+Every attempt the model made is an `Attempt` (an empty, truncated or timed-out reply is a
+failure with reward 0: `flywheel.gate.accounting`). A task whose attempts the infrastructure
+failed to run is sampled again, up to `gate.infra_retries` times with exponential backoff;
+what is still missing is counted by kind in `not_run`, and the decision will not look past it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import logging
 import zlib
 from dataclasses import dataclass, replace
 
@@ -24,13 +31,19 @@ from flywheel.adapters.lifecycle import version_label
 from flywheel.adapters.registry import newest_eval_set
 from flywheel.config import Settings
 from flywheel.environments import load_environment
+from flywheel.environments.base import Environment
 from flywheel.errors import TransientError
 from flywheel.events import ScoredRollout
-from flywheel.gate.decision import REPLY_CHARS, Attempt, EvalRun
+from flywheel.gate.accounting import REPLY_CHARS, Attempt, EvalRun
 from flywheel.policy.base import AdapterRef, Policy
 from flywheel.policy.chat_format import ChatFormat
-from flywheel.rollout.loop import GroupConfig, run_group
+from flywheel.rollout.loop import GroupConfig, GroupOutcome, run_group
 from flywheel.tasks import TaskSpec, ToolCallSpec
+
+log = logging.getLogger("flywheel.gate")
+ACCOUNTING = 2
+"""Version of what an attempt counts as, in every run key: runs cached when empty and
+timed-out replies were left out (1) are never reused."""
 
 
 class NoEvalSet(TransientError, RuntimeError):
@@ -94,7 +107,7 @@ def _attempt(task: TaskSpec, r: ScoredRollout, offset: int = 0,
                    unsafe=r.failure_mode == "unsafe_action"
                    or r.reward_components.get("unsafe", 0.0) > 0,
                    latency_ms=r.latency_ms, tokens=sum(len(t.token_ids) for t in r.turns),
-                   failure_mode=r.failure_mode or r.not_run, reply=text[:REPLY_CHARS],
+                   failure_mode=r.failure_mode, reply=text[:REPLY_CHARS],
                    reply_chars=len(text),
                    finish_reason=r.turns[-1].finish_reason if r.turns else "",
                    turns=len(r.turns), calls=[n for turn in called for n in turn],
@@ -115,7 +128,7 @@ def run_key(settings: Settings, version: int | None, holdout: Holdout, chat_form
     under another prompt (an older template, or the pre-chat-template prompt) never count."""
     g, r = settings.gate, settings.rollout
     parts = {"policy": settings.policy, "version": version, "eval_set": holdout.eval_set_version,
-             "chat_format": chat_format,
+             "chat_format": chat_format, "accounting": ACCOUNTING,
              "envs": sorted(r.envs),
              "tasks": [str(t.task_id) for t in holdout.tasks], "round_samples": g.round_samples,
              "temperature": g.temperature, "seed": g.seed, "max_tokens": r.max_tokens,
@@ -140,25 +153,45 @@ def _config(settings: Settings) -> GroupConfig:
                        rollout_timeout_s=r.rollout_timeout_s, min_scored=1)
 
 
+async def scored_group(policy: Policy, task: TaskSpec, env: Environment, cfg: GroupConfig,
+                       settings: Settings, *, adapter: AdapterRef | None, seed: int,
+                       group_key: str) -> GroupOutcome:
+    """The task's group, sampled again (same seed) while the infrastructure failed to run
+    any of its attempts, up to `gate.infra_retries` times with exponential backoff; the last
+    outcome (its not-run attempts are counted by the caller)."""
+    g = settings.gate
+    for attempt in range(g.infra_retries + 1):
+        outcome = await run_group(policy, task, env, cfg, adapter=adapter, seed=seed,
+                                  group_key=group_key)
+        missing = [r.not_run for r in outcome.rollouts if r.reward is None]
+        if not missing or attempt == g.infra_retries:
+            return outcome
+        log.warning("%s: %d attempts not run (%s); retry %d of %d", group_key, len(missing),
+                    ", ".join(sorted({str(m) for m in missing})), attempt + 1, g.infra_retries)
+        await asyncio.sleep(g.retry_backoff_s * 2 ** attempt)
+    raise AssertionError("unreachable")
+
+
 async def evaluate(policy: Policy, holdout: Holdout, adapter: AdapterRef | None,
                    settings: Settings, round_: int = 0) -> EvalRun:
     """Round `round_` of `adapter` (None = the base model) on every holdout task."""
     s = settings.gate.round_samples
     cfg = _config(settings)
     attempts: list[Attempt] = []
-    not_run = 0
+    kinds: dict[str, int] = {}
     for task in holdout.tasks:
-        outcome = await run_group(policy, task, load_environment(task.env), cfg,
-                                  adapter=adapter, seed=round_seed(settings, task, round_),
-                                  group_key=f"eval-{task.task_id}-r{round_}")
+        outcome = await scored_group(policy, task, load_environment(task.env), cfg, settings,
+                                     adapter=adapter, seed=round_seed(settings, task, round_),
+                                     group_key=f"eval-{task.task_id}-r{round_}")
         for rollout in outcome.rollouts:
             if rollout.reward is None:
-                not_run += 1
+                kind = rollout.not_run or "crash"
+                kinds[kind] = kinds.get(kind, 0) + 1
             else:
                 attempts.append(_attempt(task, rollout, round_ * s, policy.chat_format))
     return EvalRun(version=adapter.version if adapter else None,
                    task_groups={str(t.task_id): task_groups(t) for t in holdout.tasks},
-                   attempts=attempts, not_run=not_run)
+                   attempts=attempts, not_run=sum(kinds.values()), not_run_kinds=kinds)
 
 
 async def probe_latency(policy: Policy, task: TaskSpec, candidate: AdapterRef | None,

@@ -40,10 +40,12 @@ def train_gap(train: EvalRun | None, holdout_success: float, rule: GateSettings
 
 
 def review(cand: EvalRun, base: EvalRun, rule: GateSettings, probe: LatencyProbe | None = None,
-           found: GateCanaries | None = None, train: EvalRun | None = None) -> GateDecision:
-    """`decide` with the canaries, the behaviour shifts, the train gap and what changed,
-    the last three on the rounds the test looked at."""
-    first = decide(cand, base, rule, probe)
+           found: GateCanaries | None = None, train: EvalRun | None = None, *,
+           candidate_number: int = 1) -> GateDecision:
+    """`decide` (for the `candidate_number`-th candidate against this production) with the
+    canaries, the behaviour shifts, the train gap and what changed, the last three on the
+    rounds the test looked at."""
+    first = decide(cand, base, rule, probe, candidate_number=candidate_number)
     seen_c, seen_b = cand, base
     if first.sequential is not None:
         used = first.sequential.samples_per_task // rule.round_samples
@@ -52,7 +54,7 @@ def review(cand: EvalRun, base: EvalRun, rule: GateSettings, probe: LatencyProbe
     fc, fb, extra = behaviour.checks(seen_c, seen_b, rule)
     if found is not None:
         extra.insert(0, canaries.check(found))
-    decision = decide(cand, base, rule, probe, extra)
+    decision = decide(cand, base, rule, probe, extra, candidate_number=candidate_number)
     gap = train_gap(train, decision.candidate.success_rate, rule)
     return decision.model_copy(update={
         "canaries": found, "behaviour": {"candidate": fc, "production": fb},

@@ -5,7 +5,8 @@ sample index and seed; each (task, sample) pair is a win (only the candidate suc
 loss (only production did) or a tie. Three e-processes run on the pairs, each a product of
 factors 1 + λ(D − m) over the pairs, D = +1 / 0 / −1, with a bet λ fixed before the round:
 
-* win, H0 "gain ≤ 0" (m = 0): grows on wins; promotion needs it ≥ 1/alpha;
+* win, H0 "gain ≤ 0" (m = 0): grows on wins; promotion needs it ≥ 1/alpha (alpha here is
+  the candidate's level, see below);
 * loss, H0 "gain ≥ 0" (the mirror): grows on losses — a clear loss;
 * futility, H0 "gain ≥ d" (d = the design gain): grows when the gain is below d.
 
@@ -22,8 +23,21 @@ The bet is Kelly's for the design gain, λ = d / p̂_d (Wald's SPRT of "wins and
 even" against the design gain, on the discordant pairs), with p̂_d the discordance of the
 earlier rounds' pairs ((W + L + 1)/(N + 2)) — never of the round it bets on, which keeps it
 predictable. The first round bets with `PRIOR_DISCORDANCE`. With d = 2 × min_gain the bet
-grows exactly when the gain exceeds min_gain, and crossing 1/alpha already implies an
-observed gain above min_gain; a promotion still checks both.
+grows fastest when the gain is near d, but crossing 1/alpha does *not* imply an observed
+gain of min_gain: the e-value only rules out "gain ≤ 0" — 11 wins, 0 losses and 989 ties
+(observed gain 0.011) carry e ≥ 20 at a bet of 1/3. So a win needs both, checked separately:
+the e-value at the threshold *and* the observed gain ≥ min_gain.
+
+Across candidates, `alpha` is a lifetime bound, not a per-candidate one: the k-th candidate
+evaluated against one production is run at level alpha · 6/(π² k²)
+(`flywheel.gate.lifetime.rule_for`), and the levels sum to at most alpha, so the chance
+that any no-better candidate is promoted over the whole life of a production stays ≤ alpha
+(union bound; the simulation in tests/test_gate_simulation.py measures 0.008 false
+promotions per 100 no-better candidates at alpha = 0.05, against 1.9 with alpha each).
+
+Looks use only complete rounds (`flywheel.gate.accounting`): every attempt the model made
+counts — an empty, truncated or timed-out reply is a loss for its side, never left out —
+and a round the infrastructure could not complete ends the evaluation `incomplete`.
 """
 
 from __future__ import annotations

@@ -4,8 +4,11 @@ Idempotent: a candidate that is no longer `candidate` (already evaluated, decide
 skipped, so a redelivered `AdapterTrained` is a no-op. Every round of every side is cached
 per (version, eval set, gate settings, round), so production is sampled once per sample
 index for many candidates, and a restarted gate resumes an evaluation where it stopped.
-The sequential test looks after every round and stops at a clear outcome; progress goes to
-`gate_status` (`flywheel.gate.progress`) for status, metrics, the dashboard and the trainer.
+The sequential test looks after every round and stops at a clear outcome — or at a round
+the infrastructure could not complete, which ends the evaluation `incomplete`; the candidate
+is tested at its level in production's lifetime budget (`flywheel.gate.lifetime`). Progress
+goes to `gate_status` (`flywheel.gate.progress`) for status, metrics, the dashboard and the
+trainer.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flywheel.adapters import lifecycle, registry
 from flywheel.adapters.resolver import AdapterResolver
-from flywheel.config import Settings
+from flywheel.config import GateSettings, Settings
 from flywheel.environments import load_environment
 from flywheel.events import (
     AdapterEvaluatedPayload,
@@ -30,7 +33,8 @@ from flywheel.events import (
     GateCanaries,
     LatencyProbe,
 )
-from flywheel.gate import canaries, sequential
+from flywheel.gate import canaries, lifetime, sequential
+from flywheel.gate.accounting import complete_rounds, rounds_seen
 from flywheel.gate.decision import EvalRun, latency_probe, round_counts
 from flywheel.gate.evaluate import (
     Holdout,
@@ -173,12 +177,14 @@ class GateService:
         for _ in range(3):
             async with self.engine.connect() as conn:
                 production = await registry.production_version(conn, self.name)
+                k = await lifetime.candidate_number(conn, self.name, production)
             if production == version:
                 raise lifecycle.LifecycleError(f"v{version} is production already")
-            candidate, baseline, probe = await self._rounds(version, production, holdout)
+            rule = lifetime.rule_for(self.settings.gate, k)
+            candidate, baseline, probe = await self._rounds(version, production, holdout, rule)
             payload = decision_payload(self.settings, version, production,
                                        holdout.eval_set_version, candidate, baseline, probe,
-                                       found, train)
+                                       found, train, candidate_number=k)
             async with self.engine.connect() as conn:
                 how = await registry.selected_by(conn, self.name, version)
             payload = payload.model_copy(update={"selected_by": how})
@@ -211,10 +217,11 @@ class GateService:
             return await evaluate(self.policy, Holdout(eval_set_version, tasks), adapter,
                                   self.settings)
 
-    async def _rounds(self, version: int, production: int | None, holdout: Holdout
-                      ) -> tuple[EvalRun, EvalRun, LatencyProbe | None]:
-        """Sample both sides round by round until the sequential test stops (or the
-        budget is spent; the fixed tests always spend it), probing latency each round."""
+    async def _rounds(self, version: int, production: int | None, holdout: Holdout,
+                      rule: GateSettings) -> tuple[EvalRun, EvalRun, LatencyProbe | None]:
+        """Sample both sides round by round until the sequential test (at `rule`, this
+        candidate's level) stops, a round cannot be completed, or the budget is spent (the
+        fixed tests always spend it), probing latency each round."""
         g = self.settings.gate
         cand_ref, prod_ref = await self._adapter(version), await self._adapter(production)
         n, vs = len(holdout.tasks), lifecycle.version_label(production)
@@ -235,7 +242,7 @@ class GateService:
                 if n:
                     probes.append(await probe_latency(self.policy, holdout.tasks[r % n],
                                                       cand_ref, prod_ref, self.settings, r))
-                stop, detail = self._look(cand, base, r)
+                stop, detail = self._look(cand, base, r, rule)
                 log.info("v%d round %d/%d: %s", version, r + 1, g.max_rounds, detail)
                 await self.progress.round_done(
                     r + 1, sum(len(c.attempts) + c.not_run for c in cand), detail)
@@ -243,10 +250,15 @@ class GateService:
                     break
         return EvalRun.combine(cand), EvalRun.combine(base), latency_probe(probes)
 
-    def _look(self, cand: list[EvalRun], base: list[EvalRun], r: int) -> tuple[bool, str]:
+    def _look(self, cand: list[EvalRun], base: list[EvalRun], r: int, g: GateSettings
+              ) -> tuple[bool, str]:
         """(stop now?, progress in words) after round `r`."""
-        g = self.settings.gate
-        counts = round_counts(EvalRun.combine(cand), EvalRun.combine(base), g.round_samples)
+        c, b = EvalRun.combine(cand), EvalRun.combine(base)
+        counts = round_counts(c, b, g.round_samples)
+        if complete_rounds(c, b, g.round_samples) < max(r + 1, rounds_seen(c, b, g.round_samples)):
+            return True, (f"round {r + 1} could not be completed after the retries "
+                          f"({c.not_run} candidate and {b.not_run} production attempts not "
+                          "run) → incomplete")
         if g.test != "sequential":
             pairs = sum(c.pairs for c in counts)
             return False, f"{pairs} pairs (fixed design: all {g.max_rounds} rounds)"
@@ -263,11 +275,14 @@ class GateService:
 def decision_payload(settings: Settings, version: int, production: int | None,
                      eval_set_version: int, candidate: EvalRun, baseline: EvalRun,
                      probe: LatencyProbe | None = None, found: GateCanaries | None = None,
-                     train: EvalRun | None = None) -> AdapterEvaluatedPayload:
-    """The decision record of `candidate` against `baseline` under the configured rule,
-    with its reward-hacking checks (`flywheel.gate.hacking`)."""
+                     train: EvalRun | None = None, *, candidate_number: int = 1
+                     ) -> AdapterEvaluatedPayload:
+    """The decision record of `candidate` against `baseline` under the configured rule, for
+    the `candidate_number`-th candidate against this production, with its reward-hacking
+    checks (`flywheel.gate.hacking`)."""
     return AdapterEvaluatedPayload(
-        **dict(review(candidate, baseline, settings.gate, probe, found, train)),
+        **dict(review(candidate, baseline, settings.gate, probe, found, train,
+                      candidate_number=candidate_number)),
         evaluation_id=uuid.uuid4(),
         policy=settings.policy, version=version, baseline_version=production,
         eval_set_version=eval_set_version, mode=settings.gate.mode)

@@ -11,11 +11,20 @@ the environment and their results appended as `tool` messages (`tool_call_id`), 
 rendered by the same format; a reply without tool calls (a final answer, or one that could not
 be parsed) ends the episode, as it ends an agent's turn in production. Each turn records the
 exact prompt ids it was sampled after. Each episode runs under its own deadline, so one
-straggler cannot hold the group: it is recorded as not run (`timeout`) and excluded, never
-scored 0. With an engine that batches several prompts (`sample_many`, the in-process CPU
-engine) the live episodes advance in lockstep, one batched generate per turn, because separate
-calls would only queue on the same model; environment steps still run per episode under their
-own deadlines. Other engines (vLLM batches concurrent requests itself) run the episodes
+straggler cannot hold the group.
+
+Every attempt the model made is scored (`score`): an empty reply is `empty`, an unreadable one
+`invalid_format`, sampling past the deadline `timeout`, and a reply cut by `max_tokens`
+(`finish_reason` "length", as both engines report it) that did not succeed is `truncated`
+— all reward 0, so GRPO pushes them down like any other failure and the gate counts them.
+A truncated reply the verifier fully accepts stays a success: what was served holds the
+right calls. Only the infrastructure failing (the engine erroring, a hung verifier, a judge
+or sandbox unavailable) leaves an attempt not run.
+
+With an engine that batches several prompts (`sample_many`, the in-process CPU engine) the
+live episodes advance in lockstep, one batched generate per turn, because separate calls
+would only queue on the same model; environment steps still run per episode under their own
+deadlines. Other engines (vLLM batches concurrent requests itself) run the episodes
 independently.
 """
 
@@ -33,7 +42,7 @@ from flywheel.environments.prompt import task_messages, task_tools
 from flywheel.events import ScoredRollout, Turn
 from flywheel.policy.base import AdapterRef, Completion, Policy, PolicyError, SamplingParams
 from flywheel.policy.chat_format import ChatFormat
-from flywheel.tasks import RolloutNotRun, TaskSpec, VerifierResult
+from flywheel.tasks import AttemptFailure, RolloutNotRun, TaskSpec, VerifierResult
 
 
 @dataclass(frozen=True)
@@ -65,9 +74,29 @@ def _turn(c: Completion) -> Turn:
                 logprobs=c.logprobs, text=c.text, finish_reason=c.finish_reason)
 
 
+def failed(mode: AttemptFailure, why: str) -> VerifierResult:
+    """A scored failure the verifier never saw (a timeout): reward 0."""
+    return VerifierResult(reward=0.0, reward_components={}, failure_mode=mode,
+                          details={"error": why})
+
+
+def score(result: VerifierResult, turns: list[Turn]) -> VerifierResult:
+    """`result`, or `truncated` (reward 0) when a turn hit `max_tokens` and it did not
+    succeed (nor ran out of time): the reply was cut, not answered."""
+    success = result.failure_mode is None and result.reward >= 1.0
+    if success or result.failure_mode == "timeout" \
+            or not any(t.finish_reason == "length" for t in turns):
+        return result
+    return VerifierResult(reward=0.0, reward_components=result.reward_components,
+                          failure_mode="truncated",
+                          details={**result.details, "cut_mode": result.failure_mode})
+
+
 def _scored(index: int, result: VerifierResult | RolloutNotRun, turns: list[Turn],
             started: float) -> ScoredRollout:
     latency = (time.perf_counter() - started) * 1000
+    if isinstance(result, VerifierResult):
+        result = score(result, turns)
     if isinstance(result, RolloutNotRun):
         return ScoredRollout(index=index, reward=None, reward_components={}, failure_mode=None,
                              not_run=result.kind, turns=turns, latency_ms=latency)
@@ -84,7 +113,7 @@ async def _verify(env: Environment, task: TaskSpec, output: Any,
     except RolloutNotRun as err:
         return err
     except TimeoutError:
-        return RolloutNotRun("timeout", f"verifier did not finish in {timeout:.0f}s")
+        return RolloutNotRun("verifier_timeout", f"verifier did not finish in {timeout:.0f}s")
 
 
 @dataclass(frozen=True)
@@ -110,11 +139,11 @@ async def _single_step(policy: Policy, task: TaskSpec, env: Environment, prompt:
             policy.sample(prompt.messages, _params(cfg, cfg.group_size, seed),
                           tools=prompt.tools, adapter=adapter), cfg.rollout_timeout_s)
     except TimeoutError:
-        failed = RolloutNotRun("timeout", f"sampling exceeded {cfg.rollout_timeout_s:.0f}s")
-        return [_scored(i, failed, [], started) for i in range(cfg.group_size)]
+        late = failed("timeout", f"sampling exceeded {cfg.rollout_timeout_s:.0f}s")
+        return [_scored(i, late, [], started) for i in range(cfg.group_size)]
     except PolicyError as err:
-        failed = RolloutNotRun("crash", str(err))
-        return [_scored(i, failed, [], started) for i in range(cfg.group_size)]
+        crash = RolloutNotRun("crash", str(err))
+        return [_scored(i, crash, [], started) for i in range(cfg.group_size)]
     fmt = policy.chat_format
     results = await asyncio.gather(*(
         _verify(env, task, _output(env, fmt, c), cfg.rollout_timeout_s) for c in completions))
@@ -182,7 +211,7 @@ async def _act(env: Environment, ep: _Episode, reply: dict[str, Any], timeout: f
     try:
         results = await _run_calls(env, ep.session, reply, timeout)
     except TimeoutError:
-        ep.result = RolloutNotRun("timeout", "environment step exceeded the rollout deadline")
+        ep.result = failed("timeout", "the episode ran past the rollout deadline")
         return
     ep.messages += [reply, *results]
 
@@ -208,7 +237,7 @@ async def _lockstep(policy: Any, task: TaskSpec, env: Environment, prompt: _Prom
                     max(deadline - loop.time(), 0.001))
             except TimeoutError:
                 for e in live:
-                    e.result = RolloutNotRun("timeout", "sampling exceeded the rollout deadline")
+                    e.result = failed("timeout", "sampling exceeded the rollout deadline")
                 break
             except PolicyError as err:
                 for e in live:
@@ -248,7 +277,7 @@ async def _multi_step(policy: Policy, task: TaskSpec, env: Environment, prompt: 
                 _episode(policy, task, env, prompt, cfg, adapter, seed, i, f"{group_key}/{i}",
                          turns), cfg.rollout_timeout_s)
         except TimeoutError:
-            result = RolloutNotRun("timeout", f"episode exceeded {cfg.rollout_timeout_s:.0f}s")
+            result = failed("timeout", f"episode exceeded {cfg.rollout_timeout_s:.0f}s")
         return _scored(i, result, turns, started)
 
     return list(await asyncio.gather(*(guarded(i) for i in range(cfg.group_size))))
