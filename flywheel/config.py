@@ -36,6 +36,12 @@ class KafkaSettings(BaseModel):
     evaluations and training steps on a CPU)."""
     local_port: int = 9092
     """Port of the bundled broker when `bootstrap` is unset."""
+    confirm_stored: bool | None = None
+    """Whether the SDK, `flywheel publish` and the feedback client count a record delivered
+    only once Flywheel has stored it (held, and sent again if the broker is replaced, until
+    then). None = follow the broker: on for the bundled memory-only broker (its
+    acknowledgement dies with its process), off for an external Kafka cluster (`bootstrap`),
+    whose acks=all acknowledgement is durable."""
     retention_ms: int | None = Field(default=7 * 24 * 3600 * 1000, gt=0)
     """`retention.ms` of topics that Flywheel creates (existing topics are left alone): how
     long the broker keeps a record, consumed or not. A real Kafka enforces it (keep it well
