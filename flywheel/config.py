@@ -408,6 +408,11 @@ class StackSettings(BaseModel):
     drain_timeout_s: float = Field(default=120.0, ge=0)
     """`flywheel down` (and a broker recycle) waits at most this long for the trajectory
     consumers to catch up and the outbox to empty before stopping everything."""
+    drain_settle_s: float = Field(default=10.0, ge=0)
+    """After the drain, with the other services stopped and ingest still running: how long
+    `flywheel down` waits for records still arriving (SDK clients publish to the broker
+    directly) to stop and be stored. Past it the stop is reported not drained, and what was
+    not stored is counted as lost."""
     drain_recoverable_s: float = Field(default=15.0, ge=0)
     """After that, how long it also waits for the consumers of outbox-fed topics (rollout,
     trainer, gate): whatever they have not consumed is republished from the outbox at the
