@@ -182,7 +182,7 @@ async def test_confirmation_costs_little_of_the_publish_rate(stack: Stack) -> No
                 while not confirm and await conn.fetchval(
                         "SELECT count(*) FROM trajectories WHERE trajectory_id = ANY($1)",
                         ids) < len(ids):
-                    await asyncio.sleep(0.1)
+                    await asyncio.sleep(0.1)  # noqa: ASYNC110 (polling Postgres)
                 rates[confirm].append(len(batch) / (time.perf_counter() - started))
     finally:
         await conn.close()
