@@ -64,7 +64,7 @@ async def test_down_while_the_sdk_publishes_then_up_stores_every_record(
     batch = records(100 + round_)
     async with sdk(stack) as client:
         # Slow enough to be still publishing while `down` drains and stops the broker.
-        publishing = asyncio.ensure_future(publish(client, batch, per_s=200))
+        publishing = asyncio.ensure_future(publish(client, batch, per_s=100))
         await asyncio.sleep(2.0)
         down = await asyncio.to_thread(stack.cli, "down")
         assert down.returncode == 0, down.stderr

@@ -355,6 +355,10 @@ class Stack:
                 return
             view = run_sync(loss_view(bootstrap, self.settings, positions))
             self.record_positions(positions, started, view)
+            report.lag = {g: sum(max(0, h - c) for c, h in parts.values())
+                          for g, parts in positions.items()}
+            report.trajectories_drained = all(report.lag[g] == 0
+                                              for g in report.trajectory_groups)
             left = unstored_total(view)
             came = None if previous is None else arrived(previous, view)
             if left == 0 and came == 0:
