@@ -367,7 +367,9 @@ class Stack:
                 report.done = report.trajectories_drained = False
                 report.notes.append(
                     f"still arriving when the broker stopped ({came or 0} records in the last"
-                    f" second; {left} not stored at the last read): producers kept publishing")
+                    f" second; {left} not stored at the last read): producers kept publishing;"
+                    " what the broker acknowledged after that read is not counted (SDK clients"
+                    " hold it until stored and send it again to the next broker)")
                 return
             previous = view
             time.sleep(1.0)
