@@ -26,8 +26,10 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from flywheel.adapters import registry
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
+from flywheel.errors import describe, is_transient
 from flywheel.rollout import store
 from flywheel.rollout.select import pick_tasks
+from flywheel.runtime.consume import RetryPolicy
 from flywheel.runtime.endpoints import resolve_db_url
 from flywheel.runtime.service import pause, run_loop
 from flywheel.trainer.store import trainer_state
@@ -86,9 +88,22 @@ async def _warm_starting(conn: AsyncConnection, settings: Settings) -> bool:
 async def run_scheduler(settings: Settings, stop: asyncio.Event) -> None:
     engine = make_engine(resolve_db_url(settings), pool_size=1)
     rng = random.Random()
+    retry, failures = RetryPolicy.of(settings.retry), 0
     try:
         while not stop.is_set():
-            issued = await schedule_once(engine, settings, rng)
+            try:
+                issued = await schedule_once(engine, settings, rng)
+            except Exception as err:
+                # Postgres refusing connections (starting, restarting) is waited out, as
+                # every other service does; anything else is a bug and propagates.
+                if not is_transient(err):
+                    raise
+                delay, failures = retry.delay(failures), failures + 1
+                log.warning("scheduling: transient failure #%d (%s); retrying in %.1fs",
+                            failures, describe(err), delay)
+                await pause(stop, delay)
+                continue
+            failures = 0
             if issued:
                 log.info("requested %d rollout groups", issued)
             await pause(stop, settings.rollout.scheduler_interval_s)

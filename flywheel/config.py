@@ -36,6 +36,12 @@ class KafkaSettings(BaseModel):
     evaluations and training steps on a CPU)."""
     local_port: int = 9092
     """Port of the bundled broker when `bootstrap` is unset."""
+    confirm_stored: bool | None = None
+    """Whether the SDK, `flywheel publish` and the feedback client count a record delivered
+    only once Flywheel has stored it (held, and sent again if the broker is replaced, until
+    then). None = follow the broker: on for the bundled memory-only broker (its
+    acknowledgement dies with its process), off for an external Kafka cluster (`bootstrap`),
+    whose acks=all acknowledgement is durable."""
     retention_ms: int | None = Field(default=7 * 24 * 3600 * 1000, gt=0)
     """`retention.ms` of topics that Flywheel creates (existing topics are left alone): how
     long the broker keeps a record, consumed or not. A real Kafka enforces it (keep it well
@@ -463,6 +469,11 @@ class StackSettings(BaseModel):
     drain_timeout_s: float = Field(default=120.0, ge=0)
     """`flywheel down` (and a broker recycle) waits at most this long for the trajectory
     consumers to catch up and the outbox to empty before stopping everything."""
+    drain_settle_s: float = Field(default=10.0, ge=0)
+    """After the drain, with the other services stopped and ingest still running: how long
+    `flywheel down` waits for records still arriving (SDK clients publish to the broker
+    directly) to stop and be stored. Past it the stop is reported not drained, and what was
+    not stored is counted as lost."""
     drain_recoverable_s: float = Field(default=15.0, ge=0)
     """After that, how long it also waits for the consumers of outbox-fed topics (rollout,
     trainer, gate): whatever they have not consumed is republished from the outbox at the

@@ -20,6 +20,7 @@ from flywheel.config import Settings
 from flywheel.feedback import Feedback
 from flywheel.ingest.feedback import check_feedback, validate_feedback
 from flywheel.runtime.endpoints import resolve_bootstrap
+from producers.confirm import confirm_stored
 from producers.sdk import FlywheelClient, checked_json
 
 
@@ -43,6 +44,8 @@ class FeedbackClient:
 
     @classmethod
     def from_settings(cls, settings: Settings, **kw: Any) -> FeedbackClient:
+        if confirm_stored(settings):  # delivered = stored by the miner's feedback group
+            kw.setdefault("confirm_group", settings.miner.feedback_group_id)
         return cls(resolve_bootstrap(settings), settings.topics.feedback,
                    spool_dir=settings.home / "spool", **kw)
 

@@ -8,6 +8,11 @@ reconnects every `retry_interval_s`, replays the spool in order, and only then s
 memory again. The next client that opens the same
 spool (another process, after a crash) replays what is left. A record leaves the spool only
 once the broker has acked it: delivery is at least once, ingest dedupes on trajectory_id.
+
+With `confirm_group` (`kafka.confirm_stored`, on by default for the bundled memory-only
+broker) a record counts as delivered only once that group has stored it
+(`producers.confirm`): `flush` waits for that, what the broker acknowledged is held until
+then, sent again if the broker is replaced, and put back in the spool by `close`.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from flywheel.formats import ParseContext
 from flywheel.ingest.decode import check_trajectory, validate_record
 from flywheel.runtime.endpoints import resolve_bootstrap
 from flywheel.schemas import Trajectory
+from producers.confirm import StoreConfirmer, confirm_stored
 from producers.spool import Record, Spool, encode
 
 log = logging.getLogger(__name__)
@@ -100,8 +106,11 @@ class FlywheelClient:
 
     def __init__(self, bootstrap: str, topic: str, *, spool_dir: Path, agent: str | None = None,
                  max_buffered: int = 10_000, linger_ms: int = 20, max_batch: int = 500,
-                 retry_interval_s: float = 1.0, request_timeout_ms: int = 5000) -> None:
-        """`agent`: names the agent of records that name none (else `unknown`)."""
+                 retry_interval_s: float = 1.0, request_timeout_ms: int = 5000,
+                 confirm_group: str | None = None, confirm_interval_s: float = 0.1) -> None:
+        """`agent`: names the agent of records that name none (else `unknown`).
+        `confirm_group`: the consumer group that stores the topic; a record is delivered
+        once it committed past it (None: once the broker acknowledged it)."""
         self._bootstrap, self._topic, self._spool_dir = bootstrap, topic, spool_dir
         self._agent = agent
         self._max_buffered, self._max_batch = max_buffered, max_batch
@@ -120,9 +129,16 @@ class FlywheelClient:
         self._data = asyncio.Event()
         self._space = asyncio.Event()
         self._progress = asyncio.Event()
+        self._confirm = StoreConfirmer(bootstrap, topic, confirm_group,
+                                       request_timeout_ms=request_timeout_ms
+                                       ) if confirm_group else None
+        self._confirm_interval = confirm_interval_s
+        self._confirm_task: asyncio.Task[None] | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings, **kw: Any) -> FlywheelClient:
+        if confirm_stored(settings):
+            kw.setdefault("confirm_group", settings.ingest.group_id)
         return cls(resolve_bootstrap(settings), settings.topics.trajectories,
                    spool_dir=settings.home / "spool", **kw)
 
@@ -135,6 +151,8 @@ class FlywheelClient:
         spool = self._spool
         return {"sent": self._acked - self._rejected, "rejected": self._rejected,
                 "spooled": spool.count if spool else 0, "pending": self._logged - self._acked,
+                "unconfirmed": self._confirm.count if self._confirm else 0,
+                "resent": self._confirm.resent if self._confirm else 0,
                 "spool_bytes": spool.size if spool else 0, "state": self._state}
 
     async def __aenter__(self) -> FlywheelClient:
@@ -164,6 +182,10 @@ class FlywheelClient:
             log.warning("Kafka at %s is unreachable (%r): spooling to %s until it answers",
                         self._bootstrap, exc, spool.path)
         self._state = "connected" if self._producer is not None and not spool.count else "spooling"
+        if self._confirm is not None:
+            await self._confirm.start()
+            self._confirm_task = asyncio.create_task(self._confirm_loop(),
+                                                     name=f"flywheel-sdk-confirm:{self._topic}")
         self._task = asyncio.create_task(self._run(), name=f"flywheel-sdk:{self._topic}")
 
     async def log(self, trajectory: Trajectory | dict[str, Any]) -> uuid.UUID:
@@ -178,7 +200,8 @@ class FlywheelClient:
         await self._enqueue(key, value)
 
     async def flush(self, timeout: float | None = None) -> None:
-        """Wait until the broker has acked everything logged before this call."""
+        """Wait until the broker has acked (with `confirm_group`: Flywheel has stored)
+        everything logged before this call."""
         target = self._logged
         try:
             async with asyncio.timeout(timeout):
@@ -203,6 +226,8 @@ class FlywheelClient:
         for event in (self._closing_event, self._data, self._space):
             event.set()
         task = self._task
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         try:
             if task is not None:
                 done, _ = await asyncio.wait({task}, timeout=timeout)
@@ -213,7 +238,9 @@ class FlywheelClient:
                     await asyncio.wait({task})
                 elif not task.cancelled():
                     task.exception()  # a failure was logged by _run and is raised by flush()
+            await self._await_confirmed(deadline)
         finally:
+            await self._stop_confirming()
             self._spill()
             if self._sync_timer is not None:
                 self._sync_timer.cancel()
@@ -287,6 +314,10 @@ class FlywheelClient:
             self._notify_progress()
 
     async def _next_batch(self) -> list[Record]:
+        # Unconfirmed records are held in memory too: sending waits while too many are.
+        while (self._confirm is not None and not self._closing
+               and self._confirm.count >= self._max_buffered):
+            await self._progress.wait()
         while not self._buf:
             if self._closing:
                 return []
@@ -302,7 +333,6 @@ class FlywheelClient:
     async def _deliver(self, batch: list[Record]) -> None:
         done, error = self._settle(batch, await self._send(batch))
         self._inflight = batch[done:]
-        self._acknowledge(done)
         if error is None:
             return
         if not is_retryable(error):
@@ -323,7 +353,7 @@ class FlywheelClient:
         self._spool.append(records, sync=True)
         self._space.set()
 
-    async def _send(self, records: list[Record]) -> list[BaseException | None]:
+    async def _send(self, records: list[Record]) -> list[Any]:
         """Queue every record on the producer, then await all acks: one round trip a batch."""
         futures, failure = [], None
         for key, value in records:
@@ -333,16 +363,24 @@ class FlywheelClient:
                 failure = exc
                 break
         results = await asyncio.gather(*futures, return_exceptions=True)
-        outcome = [r if isinstance(r, BaseException) else None for r in results]
-        return [*outcome, failure] if failure is not None else outcome
+        return [*results, failure] if failure is not None else results
 
     def _settle(self, records: list[Record],
-                outcome: list[BaseException | None]) -> tuple[int, BaseException | None]:
+                outcome: list[Any]) -> tuple[int, BaseException | None]:
         """How many leading records are done (acked or refused for good), and what stopped
-        the rest. Later records that did get through are re-sent: duplicates, never gaps."""
-        for i, (record, exc) in enumerate(zip(records, outcome, strict=False)):
-            if exc is None:
+        the rest; counts them delivered (or, with a confirmer, holds the acked ones until
+        stored). Later records that did get through are re-sent: duplicates, never gaps."""
+        acked: list[tuple[int, int, Record]] = []
+        done, error = len(outcome), None
+        for i, (record, result) in enumerate(zip(records, outcome, strict=False)):
+            if not isinstance(result, BaseException):  # RecordMetadata (None from a fake)
+                acked.append((getattr(result, "partition", -1), getattr(result, "offset", -1),
+                              record))
                 continue
+            exc = result
+            if not isinstance(exc, _REFUSED):
+                done, error = i, exc
+                break
             if not isinstance(exc, _REFUSED):
                 return i, exc
             # Retrying cannot help, and holding it would block every record behind it.
@@ -353,7 +391,12 @@ class FlywheelClient:
             self._rejected += 1
             log.error("Kafka refused trajectory %r for good (%r); kept in %s",
                       record[0], exc, rejected)
-        return len(outcome), None
+            self._acknowledge(1)
+        if self._confirm is not None:
+            self._confirm.add(acked)
+        else:
+            self._acknowledge(len(acked))
+        return done, error
 
     async def _recover(self) -> bool:
         """Reconnect and replay the spool; True once sending from memory again."""
@@ -384,7 +427,6 @@ class FlywheelClient:
                 done, error = self._settle(records, await self._send(records))
                 if done:
                     spool.ack(entries[done - 1][1], done)
-                    self._acknowledge(done)
                 if error is not None:
                     raise error
         except Exception:
@@ -396,6 +438,56 @@ class FlywheelClient:
         self._state = "connected"
         log.info("Kafka at %s answers: spool replayed (%d bytes), sending directly again",
                  self._bootstrap, replayed)
+
+    async def _confirm_loop(self) -> None:
+        """Poll what the storing group has committed; hand back what a replaced broker lost."""
+        confirm = self._confirm
+        assert confirm is not None
+        while True:
+            try:
+                stored, resend = await confirm.poll()
+            except Exception as exc:
+                if not is_retryable(exc):
+                    raise
+                log.debug("cannot read what %s stored yet (%r)", self._topic, exc)
+                await asyncio.sleep(self._retry_interval)
+                continue
+            self._acknowledge(stored)
+            if resend:
+                log.warning("the broker at %s was replaced: sending again %d records it had "
+                            "acknowledged but Flywheel had not stored", self._bootstrap,
+                            len(resend))
+                self._requeue(resend)
+            await asyncio.sleep(self._confirm_interval)
+
+    def _requeue(self, records: list[Record]) -> None:
+        if self._state == "connected" and not self._closing:
+            self._buf.extendleft(reversed(records))
+            self._data.set()
+        elif self._spool is not None:
+            self._spool.append(records, sync=True)
+
+    async def _await_confirmed(self, deadline: float | None) -> None:
+        """Closing: wait (until `deadline`) for what the broker acked to be stored."""
+        loop = asyncio.get_running_loop()
+        while self._confirm is not None and self._confirm.count and (
+                self._confirm_task is not None and not self._confirm_task.done()):
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left <= 0:
+                log.warning("close: %d records acknowledged but not yet stored; kept in %s",
+                            self._confirm.count, self.spool_path)
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._progress.wait(), left)
+
+    async def _stop_confirming(self) -> None:
+        task, self._confirm_task = self._confirm_task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
+        if self._confirm is not None:
+            self._inflight = [*self._confirm.take_all(), *self._inflight]
+            await self._confirm.close()
 
     async def _nap(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):

@@ -37,6 +37,10 @@ def _router() -> APIRouter:
     async def boom() -> None:
         raise ValueError("secret internals: password=hunter2")
 
+    @router.get("/v1/models/boom")
+    async def openai_boom() -> None:
+        raise ValueError("secret internals")
+
     @router.get("/db-down")
     async def db_down() -> None:
         raise ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 5433)")
@@ -142,3 +146,31 @@ def test_what_counts_as_a_dependency_being_down() -> None:
     assert unavailable(wrapped) == "postgres"
     assert unavailable(ValueError("bad input")) is None
     assert unavailable(DBAPIError("SELECT 1", {}, Exception("syntax error"))) is None
+
+
+def test_a_version_in_a_model_name_is_ascii_digits_in_the_id_range() -> None:
+    from flywheel.api.serving import addressed_version
+
+    assert addressed_version("policy@v7", "policy") == 7
+    assert addressed_version(f"policy@v{INT32_MAX}", "policy") == INT32_MAX
+    for name in ("policy@v2147483648", "policy@v9223372036854775808", "policy@v²",
+                 "policy@v" + "9" * 5000, "policy@v٣", "policy@v０", "policy@v0",
+                 "policy@v", "other@v3", "policy@v3 "):
+        assert addressed_version(name, "policy") is None, name
+
+
+async def test_openai_routes_answer_guard_errors_in_the_openai_shape(
+        client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/chat/completions", content=b"{" + b" " * LIMIT + b"}",
+                          headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+    error = r.json()["error"]
+    assert error["code"] == "request_too_large" and "api.max_request_bytes" in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+    boom = await client.get("/v1/models/boom")
+    assert boom.status_code == 500 and boom.json()["error"]["type"] == "server_error"
+    assert "secret" not in boom.text
+    missing = await client.get("/v1/models/none/such")
+    assert missing.status_code == 404 and set(missing.json()) == {"error"}
+    # Elsewhere the FastAPI shape stays.
+    assert "detail" in (await client.post("/echo", content=b"{" + b" " * LIMIT + b"}")).json()

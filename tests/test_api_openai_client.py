@@ -226,3 +226,34 @@ def test_models_and_a_version_addressed_by_name(client: Any) -> None:
     answer = client.chat.completions.create(model="policy@v1", messages=OSLO, max_tokens=2,
                                             temperature=0)
     assert answer.model == "policy@v1"
+
+
+@pytest.mark.parametrize("model", [
+    "policy@v2147483648", "policy@v9223372036854775808", "policy@v²", "policy@v" + "9" * 5000,
+    "policy@v٣", "policy@v０", "policy@v0", "policy@v-1", "policy@v"])
+def test_a_version_that_cannot_exist_is_an_unknown_model(client: Any, model: str) -> None:
+    """Out of the `integer` range, Unicode digits, past Python's int-parsing limit: 404 in
+    OpenAI's shape, never a 500 and never another version (`٣` is not v3)."""
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model=model, messages=OSLO, max_tokens=1)
+    assert missing.value.code == "model_not_found"
+
+
+def test_errors_before_and_around_the_routes_have_the_openai_shape(base_url: str) -> None:
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(base_url)
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer "
+                     f"{TOKEN}\r\nContent-Type: application/json\r\nContent-Length: "
+                     f"{10**12}\r\n\r\n{{}}".encode())
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), reply
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+    wrong_method = httpx.get(f"{base_url}/v1/chat/completions",
+                             headers={"Authorization": f"Bearer {TOKEN}"})
+    assert wrong_method.status_code == 405 and set(wrong_method.json()) == {"error"}

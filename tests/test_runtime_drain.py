@@ -34,7 +34,10 @@ async def test_down_while_publishing_then_up_loses_nothing_acknowledged(
             down = await asyncio.to_thread(stack.cli, "down")
             down_s = time.monotonic() - down_at
             assert down.returncode == 0, down.stderr
-            assert "stopped: drained in" in down.stderr, down.stderr
+            # "drained" only when nothing was still arriving; else what was not stored is
+            # counted (this publisher's SDK does not wait for storage: test_runtime_acked).
+            assert "stopped: drained in" in down.stderr or \
+                "still arriving when the broker stopped" in down.stderr, down.stderr
             assert not (home / "run.json").exists()
             up = await asyncio.to_thread(stack.cli, "up", "--detach")
             assert up.returncode == 0, up.stderr

@@ -90,3 +90,26 @@ async def test_no_base_model_rollouts_while_the_warm_start_is_pending(
         await conn.execute(text("UPDATE trainer_status SET state = 'waiting'"))
     assert await schedule_once(engine, settings, rng) > 0
     await engine.dispose()
+
+
+async def test_a_refused_postgres_is_waited_out_not_an_exit(settings: Settings) -> None:
+    """Postgres not (yet) listening: the scheduler keeps retrying until told to stop."""
+    import asyncio
+    import socket
+
+    from consumers.scheduler import run_scheduler
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = settings.model_copy(update={
+        "db": settings.db.model_copy(update={
+            "url": f"postgresql+asyncpg://flywheel@127.0.0.1:{port}/flywheel"}),
+        "retry": settings.retry.model_copy(update={"backoff_initial_s": 0.05,
+                                                   "backoff_max_s": 0.1})})
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_scheduler(cfg, stop))
+    await asyncio.sleep(1.0)
+    assert not task.done(), task.exception() if task.done() else None
+    stop.set()
+    await asyncio.wait_for(task, 5)

@@ -21,10 +21,12 @@ from typing import Annotated, Any
 import asyncpg
 from fastapi import FastAPI, HTTPException, Request, status
 from fastapi.encoders import jsonable_encoder
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import AfterValidator
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("flywheel.api")
@@ -62,11 +64,12 @@ class Guard:
             return
         declared = _content_length(scope)
         if declared == -1:
-            await _json(send, 400, {"detail": "invalid Content-Length header: send the body's "
-                                             "size in bytes, or no Content-Length (chunked)"})
+            await _json(send, 400, shaped(scope, 400, "invalid Content-Length header: send the "
+                                          "body's size in bytes, or no Content-Length (chunked)"))
             return
         if declared is not None and declared > self.limit:
-            await _json(send, 413, {"detail": BodyTooLarge(self.limit, declared).detail})
+            await _json(send, 413, shaped(scope, 413,
+                                          str(BodyTooLarge(self.limit, declared).detail)))
             return
         seen = 0
         started = False
@@ -91,6 +94,9 @@ class Guard:
             if started:
                 raise
             code, body, headers = last_resort(scope, exc)
+            if is_openai(scope):
+                body = openai_body(code, body["detail"],
+                                   code="service_unavailable" if code == 503 else None)
             await _json(send, code, body, headers)
 
 
@@ -113,6 +119,32 @@ def last_resort(scope: Scope, exc: Exception
                  "error_id": error_id}, {}
 
 
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/models", "/v1/responses")
+"""Routes OpenAI clients call: every error there has OpenAI's error shape."""
+_OPENAI_CODES = {400: "invalid_request", 401: "invalid_api_key",
+                 403: "insufficient_permissions", 404: "not_found", 405: "method_not_allowed",
+                 413: "request_too_large", 429: "rate_limit_exceeded",
+                 500: "internal_error", 503: "service_unavailable"}
+
+
+def is_openai(scope: Scope) -> bool:
+    path = str(scope.get("path", ""))
+    return any(path == p or path.startswith(p + "/") for p in OPENAI_PATHS)
+
+
+def openai_body(status: int, message: str, *, param: str | None = None,
+                code: str | None = None) -> dict[str, Any]:
+    """`{"error": {"message", "type", "param", "code"}}`, as OpenAI's API answers."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param,
+                      "code": code or _OPENAI_CODES.get(status)}}
+
+
+def shaped(scope: Scope, status: int, message: str) -> dict[str, Any]:
+    """An error body in the shape the route's clients read: OpenAI's, or `{"detail"}`."""
+    return openai_body(status, message) if is_openai(scope) else {"detail": message}
+
+
 def _content_length(scope: Scope) -> int | None:
     """The declared body size, None when absent, -1 when it is not a number."""
     for name, value in scope.get("headers", []):
@@ -122,7 +154,7 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
-async def _json(send: Send, code: int, content: dict[str, str],
+async def _json(send: Send, code: int, content: dict[str, Any],
                 headers: dict[str, str] | None = None) -> None:
     body = JSONResponse(content).body
     # Connection: close: a refused body may still be arriving; the server drops it.
@@ -203,10 +235,26 @@ class AsciiJSONResponse(JSONResponse):
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
+    if is_openai(request.scope):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return AsciiJSONResponse(openai_body(422, f"{where}: {first.get('msg', 'invalid')}",
+                                             param=where or None), status_code=422)
     return AsciiJSONResponse({"detail": jsonable_encoder(exc.errors())}, status_code=422)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (404 for no route, 405 for a wrong method) in the shape the
+    path's clients read."""
+    assert isinstance(exc, StarletteHTTPException)
+    if not is_openai(request.scope):
+        return await http_exception_handler(request, exc)
+    return JSONResponse(openai_body(exc.status_code, str(exc.detail)),
+                        status_code=exc.status_code, headers=dict(exc.headers or {}))
 
 
 def install(app: FastAPI, max_request_bytes: int) -> None:
     """The guard around `app` (add it last: it must be the outermost user middleware)."""
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_middleware(Guard, limit=max_request_bytes)

@@ -28,6 +28,9 @@ from flywheel.events import ServingSwitched, ServingSwitchedPayload
 from flywheel.policy.base import AdapterRef, Policy
 
 log = logging.getLogger("flywheel.serving")
+_INT32_MAX = 2**31 - 1
+"""Adapter versions are a Postgres `integer` column."""
+
 ALIASES = ("production",)
 PLACE_TTL_S = 30.0
 """How long a version addressed as `<policy>@vN` counts as placed on every replica."""
@@ -167,9 +170,8 @@ class ServingSync:
             return self.current
         if model == "base":
             return Target(None, None)
-        prefix = f"{self.name}@v"
-        if model.startswith(prefix) and model[len(prefix):].isdigit():
-            version = int(model[len(prefix):])
+        version = addressed_version(model, self.name)
+        if version is not None:
             adapter = await self.adapters(version)
             if adapter is not None:
                 await self._place(adapter, ttl_s=PLACE_TTL_S)
@@ -181,3 +183,16 @@ class ServingSync:
         if self._policy is not None:
             await self._policy.close()
 
+
+
+def addressed_version(model: str, policy: str) -> int | None:
+    """N of `<policy>@vN`, None when `model` does not address a version. N is ASCII digits
+    (`str.isdigit` also takes '²', '٣', '０') within the `integer` column's range: a version
+    that cannot exist is an unknown model (404), never a driver error or a Unicode digit
+    read as another version."""
+    prefix = f"{policy}@v"
+    digits = model[len(prefix):] if model.startswith(prefix) else ""
+    if not (0 < len(digits) <= 10 and digits.isascii() and digits.isdigit()):
+        return None
+    version = int(digits)
+    return version if 1 <= version <= _INT32_MAX else None

@@ -32,6 +32,7 @@ from flywheel.cli.common import (  # noqa: E402
     print_result,
     uuid_arg,
 )
+from flywheel.cli.losses import losses_app  # noqa: E402
 from flywheel.cli.policy import policy_app  # noqa: E402
 from flywheel.cli.publish import publish  # noqa: E402
 from flywheel.cli.review import adapters_app, promotions_app, replay  # noqa: E402
@@ -41,6 +42,7 @@ app.add_typer(policy_app, name="policy")
 app.add_typer(promotions_app, name="promotions")
 app.add_typer(vllm_app, name="vllm")
 app.add_typer(adapters_app, name="adapters")
+app.add_typer(losses_app, name="losses")
 app.command()(replay)
 app.command()(publish)
 app.command()(baseline)
@@ -195,6 +197,11 @@ def _print_status(data: dict[str, Any]) -> None:
         error = f" — {info['last_error']}" if info.get("last_error") and state != "up" else ""
         table.add_row(f"stack {name}", f"[{colour}]{state}[/{colour}] (pid {info.get('pid')}"
                                        f"{extra}){error}")
+    for loss in (stack.get("broker") or {}).get("losses") or []:
+        per_topic = ", ".join(f"{t} {d['not_stored']}" for t, d in loss["topics"].items())
+        table.add_row(f"[red]LOST[/red] {loss['id']}",
+                      f"{loss['not_stored']} acknowledged records not stored ({per_topic}); "
+                      "`flywheel losses ack` once handled")
     for note in stack.get("notes") or []:
         table.add_row("note", note)
     Console().print(table)

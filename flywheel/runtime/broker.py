@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 from flywheel.runtime.supervise import pid_alive, stop_pid
@@ -59,6 +60,9 @@ class LocalBroker:
         """A broker an earlier supervisor started and left running: kept, with its data."""
         self.started_at: float | None = None
         """Wall-clock start of this broker instance (what it holds was produced since)."""
+        self.cluster_id: str | None = None
+        """A fresh id at every start: a producer holding what the broker acknowledged
+        (`producers.confirm`) tells a replaced broker by it, as it would a new cluster."""
 
     @property
     def bootstrap(self) -> str:
@@ -87,10 +91,11 @@ class LocalBroker:
         url = f"tcp://127.0.0.1:{self.port}"
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         self.adopted_pid, self.started_at = None, time.time()
+        self.cluster_id = f"flywheel-{uuid.uuid4().hex[:16]}"
         with open(self.log_file, "ab") as log:  # O_APPEND: rotation by copy-truncate
             self.proc = subprocess.Popen(
                 [str(broker_binary()), "broker", "--listener-url", url,
-                 "--advertised-listener-url", url],
+                 "--advertised-listener-url", url, "--cluster-id", self.cluster_id],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 process_group=0,  # a Ctrl-C reaches the supervisor, which drains first
             )

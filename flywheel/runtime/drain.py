@@ -10,10 +10,12 @@
    republished at the next start (`flywheel.runtime.recovery`), so it is not lost either;
    the trainer holds its groups uncommitted until it publishes a version, by design.
 
-SDK clients talk to the broker directly and keep publishing until it stops; what they
-cannot deliver then stays in their spool and is delivered once the stack is back. The one
-window nothing can close with a memory-only broker: a record acknowledged in the instant
-between the last lag read and the broker's stop.
+SDK clients talk to the broker directly and keep publishing until it stops; they hold what
+the broker acknowledged until it is stored (`producers.confirm`) and send it again to the
+next broker, so nothing they were told is delivered is lost. After this drain the stack
+stops the other services and keeps ingest and the miner for a last settle
+(`Stack._settle`): "drained" only when nothing is left to store and nothing arrived for a
+second; else what the last read saw unstored is counted as a loss (`losses`).
 """
 
 from __future__ import annotations

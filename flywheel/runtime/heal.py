@@ -19,6 +19,7 @@ from flywheel.runtime import recovery
 from flywheel.runtime.kafka import consumer_groups
 from flywheel.runtime.launch import KAFKA_CONSUMERS
 from flywheel.runtime.logs import mask_text
+from flywheel.runtime.losses import count_loss
 from flywheel.runtime.supervise import rss_mb, run_sync
 
 if TYPE_CHECKING:
@@ -75,21 +76,28 @@ def recover_lost(stack: Stack, lost: dict[str, Any] | None) -> None:
         counts = run_sync(recovery.republish(stack.settings.db.url,
                                              stack.settings.kafka.bootstrap, since, topic,
                                              starts))
-        loss = {**recovery.loss_report(lost, groups, topic), "republished": counts}
         events, stored = sum(n for t, n in counts.items() if t != topic), counts.get(topic, 0)
         if lost.get("drained"):
             stack.notes.append(f"the previous broker was drained before it stopped; {events} "
                                f"recent events and {stored} stored trajectories republished "
                                "(already consumed: no-ops)")
         else:
-            stack.broker_losses = [*stack.broker_losses[-4:], loss]
-            gone, age = loss["not_stored"], loss["lag_read_age_s"]
+            # Exact as of the instance's last read: what it had acknowledged and Postgres
+            # does not hold (`losses`); recounted while SDK clients send theirs again.
+            loss = {**run_sync(count_loss(stack.settings.db.url, lost)),
+                    **{k: v for k, v in recovery.loss_report(lost, groups, topic).items()
+                       if k in ("lag", "lag_read_age_s")}, "republished": counts}
+            stack.losses.add(loss)
+            age = loss["lag_read_age_s"]
+            per_topic = ", ".join(f"{t} {d['not_stored']}" for t, d in loss["topics"].items())
             stack.notes.append(
                 f"a broker instance was lost: {events} outbox events and {stored} stored "
-                "trajectories republished to the new one; the trajectories ingest had not "
-                "stored yet are lost with it"
-                + (f" (ingest was {gone} behind at the last lag read, {age:.0f}s before)"
-                   if gone is not None and age is not None else " (no lag read yet)"))
+                f"trajectories republished to the new one; {loss['not_stored']} records it "
+                "had acknowledged are not stored"
+                + (f" ({per_topic}; as of its last read, {age:.0f}s before; records SDK "
+                   f"clients send again are taken off; loss {loss['id']}, `flywheel losses "
+                   "ack` once handled)" if age is not None else
+                   " (no read of it came before: what it took is not known)"))
         log.warning("%s", stack.notes[-1])
     with stack._lock:
         stack.broker_state = recovery.new_state(stack.broker.pid, stack.broker.started_at)
@@ -288,7 +296,7 @@ def report(stack: Stack) -> dict[str, Any]:
         "components": components(stack),
         "broker": None if stack.broker is None else {
             "memory_only": True, "note": MEMORY_ONLY_NOTE,
-            "started_at": stack.broker.started_at, "losses": stack.broker_losses},
+            "started_at": stack.broker.started_at, "losses": stack.losses.open()},
         "notes": [mask_text(n) for n in stack.notes[-10:]],
         "drain": stack.drain_line,
     }

@@ -55,6 +55,7 @@ from flywheel.runtime.launch import (
     write_json_private,
 )
 from flywheel.runtime.logs import rotate_if_needed
+from flywheel.runtime.losses import Losses, arrived, count_loss, loss_view, unstored_total
 from flywheel.runtime.postgres import LocalPostgres
 from flywheel.runtime.supervise import (
     Backoff,
@@ -91,7 +92,10 @@ class Stack:
         self.status = "starting"
         self.notes: list[str] = []
         self.broker_state: dict[str, Any] = recovery.new_state(None, None)
-        self.broker_losses: list[dict[str, Any]] = []
+        self.losses = Losses(self.home)
+        """What lost broker instances took with them, kept until an operator acknowledges
+        it (`flywheel losses ack`); recounted while producers re-send."""
+        self._last_recount = 0.0
         self.drain_line: str | None = None
         self.last_recycle: float | None = None
         self._lock = threading.Lock()
@@ -225,6 +229,12 @@ class Stack:
             heal(self, now)
         except Exception:  # one failed repair must not end supervision (and stop the stack)
             log.exception("healing failed; trying again on the next tick")
+        if now - self._last_recount >= 5 and self.settings.db.url and self.losses.open():
+            self._last_recount = now
+            try:
+                run_sync(self.losses.recount(self.settings.db.url))
+            except Exception as err:  # Postgres away: counted again on a later tick
+                log.debug("could not recount the losses: %r", err)
         if now - self._last_rotate >= 2:
             self._last_rotate = now
             cfg = self.settings.stack
@@ -253,16 +263,22 @@ class Stack:
             if self.broker is None:
                 return  # an external Kafka is durable: nothing to track
             started = time.time()
-            positions = asyncio.run(read_positions(self.settings.kafka.bootstrap, groups))
+            bootstrap = self.settings.kafka.bootstrap
+            positions = asyncio.run(read_positions(bootstrap, groups))
             if positions is not None:
-                self.record_positions(positions, started)
+                view = asyncio.run(loss_view(bootstrap, self.settings, positions))
+                self.record_positions(positions, started, view)
 
-    def record_positions(self, positions: Positions, read_at: float) -> None:
+    def record_positions(self, positions: Positions, read_at: float,
+                         view: dict[str, Any] | None = None) -> None:
+        """Fold one read into the broker instance's state; `view` (`losses.loss_view`) is
+        what its loss would be counted from, were it lost now."""
         with self._lock:
             state = self.broker_state
             if self.broker is None or state.get("broker_pid") != self.broker.pid:
                 return  # read from an instance that is gone
             recovery.record(state, positions, read_at)
+            state.update(view or {})
             recovery.save_state(self.home, state)
 
     # ---------------------------------------------------------------- stop
@@ -284,11 +300,18 @@ class Stack:
         for svc in self.services:
             svc.held = True
         grace = 45 if self.settings.trainer.ranks > 1 else 15  # torchrun: 30 s for ranks
-        threads = [threading.Thread(target=s.stop, args=(grace,)) for s in self.services]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        # Ingest and the miner stay until the last read (`_settle`): SDK clients publish
+        # to the broker directly, and what arrives while the rest stops must be stored too.
+        last = [s for s in self.services if s.name in ("ingest", "miner")] if report else []
+        _stop_all([s for s in self.services if s not in last], grace)
+        lost = None
+        if report is not None:
+            self._settle(report)
+            if not report.done and self.settings.db.url:
+                with self._lock:
+                    state = dict(self.broker_state)
+                lost = run_sync(count_loss(self.settings.db.url, state))
+        _stop_all(last, grace)
         if self.vllm is not None:
             self.vllm.stop()
         if self.broker is not None:
@@ -302,12 +325,54 @@ class Stack:
         summary = report.summary() if report else (
             "stopped without draining" if self.broker is not None else
             "stopped (no drain needed: the external Kafka keeps what is not consumed yet)")
+        if lost is not None and lost["not_stored"]:
+            summary += (f"; {lost['not_stored']} acknowledged records not stored when the "
+                        "broker stopped: lost unless their producers send them again (the "
+                        "SDK does); the next `flywheel up` and `flywheel status` count them")
         write_json_private(self.home / LAST_STOP, {
-            "stopped_at": time.time(), "summary": summary,
+            "stopped_at": time.time(), "summary": summary, "lost": lost,
             "drain": None if report is None else vars(report)})
         (self.home / STOP_REQUEST).unlink(missing_ok=True)
         run_file(self.settings).unlink(missing_ok=True)
         log.info("stopped: %s", summary)
+
+    def _settle(self, report: Any) -> None:
+        """The last reads before the broker stops, ingest and the miner still running:
+        drained only once nothing is left to store and nothing arrived for a second; else
+        (producers still publishing past `stack.drain_settle_s`) not drained, and what the
+        last read saw unstored is counted as lost."""
+        assert self.settings.kafka.bootstrap
+        bootstrap, groups = self.settings.kafka.bootstrap, consumer_groups(self.settings)
+        deadline = time.monotonic() + self.settings.stack.drain_settle_s
+        previous: dict[str, Any] | None = None
+        while True:
+            started = time.time()
+            positions = run_sync(read_positions(bootstrap, groups))
+            if positions is None:
+                report.done = False
+                report.notes.append("the broker did not answer the last read before it "
+                                    "stopped")
+                return
+            view = run_sync(loss_view(bootstrap, self.settings, positions))
+            self.record_positions(positions, started, view)
+            report.lag = {g: sum(max(0, h - c) for c, h in parts.values())
+                          for g, parts in positions.items()}
+            report.trajectories_drained = all(report.lag[g] == 0
+                                              for g in report.trajectory_groups)
+            left = unstored_total(view)
+            came = None if previous is None else arrived(previous, view)
+            if left == 0 and came == 0:
+                return
+            if time.monotonic() >= deadline:
+                report.done = report.trajectories_drained = False
+                report.notes.append(
+                    f"still arriving when the broker stopped ({came or 0} records in the last"
+                    f" second; {left} not stored at the last read): producers kept publishing;"
+                    " what the broker acknowledged after that read is not counted (SDK clients"
+                    " hold it until stored and send it again to the next broker)")
+                return
+            previous = view
+            time.sleep(1.0)
 
     def drain(self, timeout_s: float | None = None) -> Any:
         """Close intake, stop the scheduler, wait for the consumers (see `drain`)."""
@@ -350,3 +415,11 @@ class Stack:
             return
         write_json_private(run_file(self.settings), {**data, "updated_at": time.time()})
         self._written, self._last_write = digest, now
+
+
+def _stop_all(services: list[Service], grace: float) -> None:
+    threads = [threading.Thread(target=s.stop, args=(grace,)) for s in services]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()

@@ -1,0 +1,95 @@
+"""Acknowledged means stored (`producers.confirm`): against the real broker, with a storing
+group played by a consumer that commits what it read (as ingest does after its transaction)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaConsumer
+
+from flywheel.config import KafkaSettings, Settings
+from flywheel.runtime.broker import LocalBroker, free_port
+from flywheel.runtime.kafka import ensure_topics
+from producers.confirm import confirm_stored
+from producers.sdk import FlywheelClient
+from tests.test_producers_sdk import consume, trajectory
+
+pytestmark = [pytest.mark.kafka]
+
+
+async def store_and_commit(bootstrap: str, topic: str, group: str, want: int) -> set[str]:
+    """Read `want` records as group `group` and commit them: the keys it 'stored'."""
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=group,
+                                auto_offset_reset="earliest", enable_auto_commit=False,
+                                session_timeout_ms=6000, heartbeat_interval_ms=1000)
+    await consumer.start()
+    keys: set[str] = set()
+    try:
+        deadline = asyncio.get_running_loop().time() + 60
+        while len(keys) < want and asyncio.get_running_loop().time() < deadline:
+            batch = await consumer.getmany(timeout_ms=200)
+            keys |= {m.key.decode() for msgs in batch.values() for m in msgs}
+            if batch:
+                await consumer.commit()
+    finally:
+        await consumer.stop()
+    return keys
+
+
+def test_the_default_follows_the_broker() -> None:
+    assert confirm_stored(Settings())  # the bundled memory-only broker
+    assert not confirm_stored(Settings(kafka=KafkaSettings(bootstrap="kafka:9092")))
+    assert confirm_stored(Settings(kafka=KafkaSettings(bootstrap="k:9092", confirm_stored=True)))
+
+
+async def test_flush_waits_until_stored_and_a_replaced_broker_gets_them_again(
+        tmp_path: Path) -> None:
+    broker = LocalBroker(free_port(), tmp_path / "b.log")
+    topic, group = f"t{uuid.uuid4().hex[:8]}.trajectories", "storing"
+    broker.start()
+    client = FlywheelClient(broker.bootstrap, topic, spool_dir=tmp_path / "spool",
+                            confirm_group=group, retry_interval_s=0.2, request_timeout_ms=1000)
+    try:
+        await ensure_topics(broker.bootstrap, [topic], partitions=3)
+        await client.start()
+        ids = [str(await client.log(trajectory())) for _ in range(300)]
+        with pytest.raises(TimeoutError):  # acknowledged by the broker, stored by no one
+            await client.flush(timeout=2)
+        assert client.stats["unconfirmed"] == 300
+        stored = asyncio.create_task(store_and_commit(broker.bootstrap, topic, group, 300))
+        await client.flush(timeout=60)
+        assert set(ids) <= await stored and client.stats["unconfirmed"] == 0
+
+        # Acknowledged, not stored, and the (memory-only) broker dies: a new one gets them.
+        lost = [str(await client.log(trajectory())) for _ in range(200)]
+        await asyncio.sleep(1)
+        assert client.stats["unconfirmed"] == 200
+        broker.stop()
+        broker.start()
+        await ensure_topics(broker.bootstrap, [topic], partitions=3)
+        seen = await consume(broker.bootstrap, topic, set(lost), timeout=30)
+        assert set(lost) <= {k for _, k, _ in seen}
+        assert client.stats["resent"] == 200
+        assert set(lost) <= await store_and_commit(broker.bootstrap, topic, group, 200)
+        await client.flush(timeout=30)
+    finally:
+        await client.close(timeout=5)
+        broker.stop()
+
+
+async def test_close_keeps_what_was_not_stored_in_the_spool(tmp_path: Path,
+                                                            broker: LocalBroker) -> None:
+    topic = f"t{uuid.uuid4().hex[:8]}.trajectories"
+    await ensure_topics(broker.bootstrap, [topic], partitions=3)
+    kw: dict[str, Any] = {"spool_dir": tmp_path / "spool", "confirm_group": "nobody"}
+    async with FlywheelClient(broker.bootstrap, topic, **kw) as client:
+        for _ in range(50):
+            await client.log(trajectory())
+        await asyncio.sleep(0.5)
+    async with FlywheelClient(broker.bootstrap, topic, **kw) as again:
+        assert again.stats["pending"] == 50  # the next client re-sends them
+        await again.close(timeout=1)

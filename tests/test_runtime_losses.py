@@ -1,0 +1,37 @@
+"""Counting what a lost broker took (`flywheel.runtime.losses`): pure parts and the files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flywheel.runtime.losses import Losses, acknowledge, arrived, candidates, unstored_total
+
+
+def test_candidates_name_what_was_read_and_count_the_rest() -> None:
+    # p0: 5 not committed, 3 read with keys (one keyless); p1: 2 behind, none read.
+    ids, counted, acked = candidates(
+        {"0": [10, 15], "1": [4, 6], "2": [7, 7]},
+        {"0": [[9, None], [10, "a"], [11, None], [12, "b"]]})  # offset 9: already committed
+    assert (sorted(ids), counted, acked) == (["a", "b"], 1 + 2 + 2, 7)
+
+
+def test_arrivals_and_what_is_left() -> None:
+    before = {"stored_positions": {"t": {"0": [0, 10]}, "f": {"0": [0, 0]}}}
+    after = {"stored_positions": {"t": {"0": [12, 12], "1": [0, 3]}, "f": {"0": [1, 1]}}}
+    assert arrived(before, after) == 2 + 3 + 1
+    assert unstored_total(after) == 3 and unstored_total(before) == 10
+
+
+def test_a_loss_stays_open_until_acknowledged(tmp_path: Path) -> None:
+    losses = Losses(tmp_path)
+    losses.add({"id": "l1", "not_stored": 3,
+                "topics": {"t": {"not_stored": 3, "counted": 1, "missing_ids": ["x", "y"]}}})
+    again = Losses(tmp_path)  # kept across supervisor restarts
+    assert [e["id"] for e in again.open()] == ["l1"]
+    assert "missing_ids" not in again.open()[0]["topics"]["t"]
+    with pytest.raises(LookupError):
+        acknowledge(tmp_path, "nope")
+    assert acknowledge(tmp_path, None) == ["l1"]
+    assert Losses(tmp_path).open() == []
