@@ -98,9 +98,10 @@ def test_a_planted_verifier_bug_is_caught_and_named() -> None:
     found = canaries.run([tool_task()], 8, buggy_loader)
     wrong = {w.canary for w in found.wrong}
     # Every known-wrong output that still calls set_priority is let through by the bug (and
-    # it crashes on arguments that are not an object, where the real one says invalid_format).
+    # it crashes on arguments that are not an object, where the real one says invalid_format,
+    # and on an empty reply, which the real one scores as the failure `empty`).
     assert wrong == {"wrong_values", "one_wrong_value", "missing_argument", "stringly_typed",
-                     "extra_call", "unsafe_call", "double_encoded"}
+                     "extra_call", "unsafe_call", "double_encoded", "empty"}
     check = canaries.check(found)
     assert not check.passed and "wrong_values" in check.detail and "tool_call" in check.detail
 
@@ -335,7 +336,7 @@ def test_the_abstaining_candidate_of_issue_22_is_named_for_its_abstention() -> N
     base = side(None, [att(t, 0, i < 12) for i, t in enumerate(tasks)])
     cand = side(1, [att(t, 0, True) if i < 8 else att(t, 0, False, "", calls=(), mode="empty")
                     for i, t in enumerate(tasks)])
-    d = review(cand, base, Rule(test="bootstrap", group_min_samples=10_000))
+    d = review(cand, base, Rule(test="bootstrap", group_min_samples=10_000, round_samples=1))
     assert d.recommendation == "reject"
     abstention = next(c for c in d.checks if c.name == "shift:abstention")
     assert not abstention.passed and "0.000 → 0.667" in abstention.detail
