@@ -8,8 +8,11 @@ Writes:     `rollout_groups`, `task_stats`, `rollout_requests.status`, `dead_let
 Publishes (through the outbox): `GroupScored` → `<prefix>.rollouts`, trainable groups only;
             `RecordParked` → `<prefix>.parked`.
 
-Before sampling, a worker waits while the untrained backlog is at max_staleness × B groups
-(admission control). The request's offset is committed only after its group is recorded.
+A worker keeps `rollout.max_inflight_groups` groups sampling at once (the engine batches
+them; `flywheel.runtime.inflight`). Before sampling, each waits while the untrained backlog,
+this worker's admitted groups included, is at max_staleness × B groups (admission control).
+A request's offset is committed only after its group is recorded, and never past a request
+still in flight.
 A request that cannot be served (an unknown adapter or environment, a malformed message, a
 bug) is parked and its request marked failed; an engine or database outage is retried with
 backoff (`flywheel.runtime.consume`).
@@ -34,18 +37,18 @@ from flywheel.errors import Failure, InvalidRecord
 from flywheel.events import RolloutRequested
 from flywheel.policy.base import Policy
 from flywheel.policy.factory import make_policy
-from flywheel.rollout.service import handle_request, mark_failed, worker_name
+from flywheel.rollout.service import Admission, handle_request, mark_failed, worker_name
 from flywheel.runtime.consume import (
     Park,
     Process,
     RetryPolicy,
-    handle,
     parker,
     read_event,
     records_of,
     subscribe,
 )
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
+from flywheel.runtime.inflight import InFlight
 from flywheel.runtime.service import run_faststream
 
 log = logging.getLogger("flywheel.rollout")
@@ -64,6 +67,8 @@ def rollout_handlers(settings: Settings, engine: AsyncEngine, policy: Policy,
         if isinstance(event, RolloutRequested):
             await mark_failed(conn, event.payload.request_id)
 
+    admission = Admission()
+
     async def serve(records: Sequence[ConsumerRecord[bytes, bytes]]) -> None:
         for record in records:
             event = read_event(record)
@@ -71,7 +76,7 @@ def rollout_handlers(settings: Settings, engine: AsyncEngine, policy: Policy,
                 continue
             outcome = await handle_request(event.payload, engine=engine, policy=policy,
                                            settings=settings, worker=worker,
-                                           adapters=adapters)
+                                           adapters=adapters, admission=admission)
             if outcome is not None:
                 log.info("group %s: %d scored, mean reward %s, trainable %s",
                          event.payload.request_id, len(outcome.scored), outcome.reward_mean,
@@ -92,9 +97,14 @@ def build_app(settings: Settings) -> FastStream:
     @subscribe(broker, settings.topics.rollout_requests, settings, settings.rollout.group_id,
                slow=True)
     async def rollout(body: Any, msg: KafkaMessage) -> None:
-        await handle(records_of(body), msg.consumer, serve, park, retry, logger=log)
+        await inflight.submit(records_of(body), msg.consumer)
 
+    inflight = InFlight(settings.rollout.max_inflight_groups, serve, park, retry, logger=log)
     app = FastStream(broker, logger=log)
+
+    @app.on_shutdown
+    async def _stop_groups() -> None:  # before the consumer closes; they are redelivered
+        await inflight.close()
 
     @app.after_shutdown
     async def _close() -> None:

@@ -379,6 +379,17 @@ class GateDecision(_Payload):
     latency_probe: LatencyProbe | None = None
 
 
+class RoundTiming(_Payload):
+    """How long one round of one side took (`cached`: read from `eval_runs`, not sampled)."""
+
+    round: int
+    side: Literal["candidate", "production"]
+    seconds: float
+    samples: int
+    samples_per_s: float | None
+    cached: bool
+
+
 class AdapterEvaluatedPayload(GateDecision):
     """A decision and what it was about."""
 
@@ -389,6 +400,10 @@ class AdapterEvaluatedPayload(GateDecision):
     """Production when the evaluation ran (None = the base model)."""
     eval_set_version: int
     mode: Literal["auto", "manual"]
+
+    rounds: list[RoundTiming] = Field(default_factory=list)
+    """Every round of both sides in order, with its seconds and samples/s (empty in records
+    from before they were kept)."""
 
 
 class AdapterEvaluated(_Event):

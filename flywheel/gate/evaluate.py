@@ -7,14 +7,17 @@ settings, so their attempts pair up by (task, index). Each round of a side is ca
 `eval_runs` under a key of everything that determines it (policy, version, eval-set version,
 gate sampling settings, engine, chat format) plus the round, so production is sampled once
 per index however many candidates it meets, and an evaluation that goes deeper extends its
-cache.
+cache. The tasks of a round are sampled together (`gate.max_inflight` at once) so the engine
+batches them; each keeps its seed, so the round's outcomes are those of one task at a time.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from sqlalchemy import text
@@ -28,7 +31,7 @@ from flywheel.errors import TransientError
 from flywheel.events import ScoredRollout
 from flywheel.gate.decision import Attempt, EvalRun
 from flywheel.policy.base import AdapterRef, Policy
-from flywheel.rollout.loop import GroupConfig, run_group
+from flywheel.rollout.loop import GroupConfig, GroupOutcome, run_group
 from flywheel.tasks import TaskSpec, ToolCallSpec
 
 
@@ -110,16 +113,30 @@ def _config(settings: Settings) -> GroupConfig:
 
 
 async def evaluate(policy: Policy, holdout: Holdout, adapter: AdapterRef | None,
-                   settings: Settings, round_: int = 0) -> EvalRun:
-    """Round `round_` of `adapter` (None = the base model) on every holdout task."""
+                   settings: Settings, round_: int = 0,
+                   on_task: Callable[[int], None] | None = None) -> EvalRun:
+    """Round `round_` of `adapter` (None = the base model) on every holdout task, up to
+    `gate.max_inflight` tasks at once (each with its own seed: the outcome is the same at any
+    concurrency); `on_task(samples)` as each task's group is done."""
     s = settings.gate.round_samples
     cfg = _config(settings)
+    slots = asyncio.Semaphore(settings.gate.max_inflight)
+
+    async def group(task: TaskSpec) -> GroupOutcome:
+        async with slots:
+            outcome = await run_group(policy, task, load_environment(task.env), cfg,
+                                      adapter=adapter, seed=round_seed(settings, task, round_),
+                                      group_key=f"eval-{task.task_id}-r{round_}")
+        if on_task is not None:
+            on_task(len(outcome.rollouts))
+        return outcome
+
+    async with asyncio.TaskGroup() as tg:  # a failure cancels the rest of the round
+        groups = [tg.create_task(group(task)) for task in holdout.tasks]
     attempts: list[Attempt] = []
     not_run = 0
-    for task in holdout.tasks:
-        outcome = await run_group(policy, task, load_environment(task.env), cfg,
-                                  adapter=adapter, seed=round_seed(settings, task, round_),
-                                  group_key=f"eval-{task.task_id}-r{round_}")
+    for task, done in zip(holdout.tasks, groups, strict=True):
+        outcome = done.result()
         for rollout in outcome.rollouts:
             if rollout.reward is None:
                 not_run += 1

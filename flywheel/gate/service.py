@@ -13,15 +13,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flywheel.adapters import lifecycle, registry
 from flywheel.adapters.resolver import AdapterResolver
 from flywheel.config import Settings
-from flywheel.events import AdapterEvaluatedPayload, AdapterTrainedPayload, Event, LatencyProbe
+from flywheel.events import (
+    AdapterEvaluatedPayload,
+    AdapterTrainedPayload,
+    Event,
+    LatencyProbe,
+    RoundTiming,
+)
 from flywheel.gate import sequential
 from flywheel.gate.decision import EvalRun, decide, latency_probe, round_counts
 from flywheel.gate.evaluate import (
@@ -58,18 +65,36 @@ class GateService:
         return adapter
 
     async def round_for(self, version: int | None, adapter: AdapterRef | None,
-                        holdout: Holdout, round_: int) -> EvalRun:
-        """Round `round_` of `version` (None = base model), from the cache or sampled."""
+                        holdout: Holdout, round_: int,
+                        timings: list[RoundTiming] | None = None,
+                        side: Literal["candidate", "production"] = "candidate") -> EvalRun:
+        """Round `round_` of `version` (None = base model), from the cache or sampled; its
+        seconds and samples/s appended to `timings`."""
+        started = time.monotonic()
         # A thread: the vLLM engine loads its tokenizer on first use.
         fmt = await asyncio.to_thread(lambda: self.policy.chat_format.version)
         key = round_key(run_key(self.settings, version, holdout, fmt), round_)
         async with self.engine.connect() as conn:
-            cached = await cached_run(conn, key)
-        if cached is not None:
-            return cached
-        run = await evaluate(self.policy, holdout, adapter, self.settings, round_)
-        async with self.engine.begin() as conn:
-            await store_run(conn, key, self.name, holdout, run)
+            run = await cached_run(conn, key)
+        cached = run is not None
+        if run is None:
+            run = await evaluate(self.policy, holdout, adapter, self.settings, round_,
+                                 on_task=self.progress.task_done)
+            async with self.engine.begin() as conn:
+                await store_run(conn, key, self.name, holdout, run)
+        else:
+            self.progress.task_done(len(run.attempts) + run.not_run)
+        if timings is not None:
+            seconds = time.monotonic() - started
+            samples = len(run.attempts) + run.not_run
+            timings.append(RoundTiming(
+                round=round_, side=side, seconds=round(seconds, 3), samples=samples,
+                samples_per_s=round(samples / seconds, 3) if seconds > 0 else None,
+                cached=cached))
+            if not cached:
+                log.info("%s round %d: %d samples in %.1fs (%.2f samples/s)",
+                         lifecycle.version_label(version), round_ + 1, samples, seconds,
+                         samples / max(seconds, 1e-9))
         return run
 
     async def run_for(self, version: int | None, holdout: Holdout, rounds: int) -> EvalRun:
@@ -155,9 +180,12 @@ class GateService:
                 production = await registry.production_version(conn, self.name)
             if production == version:
                 raise lifecycle.LifecycleError(f"v{version} is production already")
-            candidate, baseline, probe = await self._rounds(version, production, holdout)
+            timings: list[RoundTiming] = []
+            candidate, baseline, probe = await self._rounds(version, production, holdout,
+                                                            timings)
             payload = decision_payload(self.settings, version, production,
-                                       holdout.eval_set_version, candidate, baseline, probe)
+                                       holdout.eval_set_version, candidate, baseline, probe,
+                                       timings)
             try:
                 async with self.engine.begin() as conn:
                     events = await lifecycle.record_evaluation(
@@ -172,7 +200,8 @@ class GateService:
             return events
         raise lifecycle.Conflict(f"production kept moving while v{version} was evaluated")
 
-    async def _rounds(self, version: int, production: int | None, holdout: Holdout
+    async def _rounds(self, version: int, production: int | None, holdout: Holdout,
+                      timings: list[RoundTiming] | None = None
                       ) -> tuple[EvalRun, EvalRun, LatencyProbe | None]:
         """Sample both sides round by round until the sequential test stops (or the
         budget is spent; the fixed tests always spend it), probing latency each round."""
@@ -188,18 +217,18 @@ class GateService:
         async with self.busy, self.progress.activity(
                 "evaluating", version=version, baseline_version=production,
                 eval_set_version=holdout.eval_set_version, rounds_planned=g.max_rounds,
-                samples_planned=g.max_rounds * g.round_samples * n,
+                samples_planned=2 * g.max_rounds * g.round_samples * n,  # both sides
                 detail=f"v{version} against {vs}"):
             for r in range(g.max_rounds):
-                cand.append(await self.round_for(version, cand_ref, holdout, r))
-                base.append(await self.round_for(production, prod_ref, holdout, r))
+                cand.append(await self.round_for(version, cand_ref, holdout, r, timings))
+                base.append(await self.round_for(production, prod_ref, holdout, r, timings,
+                                                 "production"))
                 if n:
                     probes.append(await probe_latency(self.policy, holdout.tasks[r % n],
                                                       cand_ref, prod_ref, self.settings, r))
                 stop, detail = self._look(cand, base, r)
                 log.info("v%d round %d/%d: %s", version, r + 1, g.max_rounds, detail)
-                await self.progress.round_done(
-                    r + 1, sum(len(c.attempts) + c.not_run for c in cand), detail)
+                await self.progress.round_done(r + 1, detail)
                 if stop:
                     break
         return EvalRun.combine(cand), EvalRun.combine(base), latency_probe(probes)
@@ -223,12 +252,13 @@ class GateService:
 
 def decision_payload(settings: Settings, version: int, production: int | None,
                      eval_set_version: int, candidate: EvalRun, baseline: EvalRun,
-                     probe: LatencyProbe | None = None) -> AdapterEvaluatedPayload:
+                     probe: LatencyProbe | None = None,
+                     rounds: list[RoundTiming] | None = None) -> AdapterEvaluatedPayload:
     """The decision record of `candidate` against `baseline` under the configured rule."""
     return AdapterEvaluatedPayload(
         **dict(decide(candidate, baseline, settings.gate, probe)), evaluation_id=uuid.uuid4(),
         policy=settings.policy, version=version, baseline_version=production,
-        eval_set_version=eval_set_version, mode=settings.gate.mode)
+        eval_set_version=eval_set_version, mode=settings.gate.mode, rounds=rounds or [])
 
 
 def describe(events: list[Any]) -> str:

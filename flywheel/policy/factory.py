@@ -22,7 +22,8 @@ def make_policy(settings: Settings) -> Policy:
     from flywheel.policy.local import LocalPolicy
 
     return LocalPolicy(resolve_model_dir(cfg.model_dir), policy_name=settings.policy,
-                       prefix_cache_mb=cfg.prefix_cache_mb, chat_template=cfg.chat_template)
+                       prefix_cache_mb=cfg.prefix_cache_mb, chat_template=cfg.chat_template,
+                       max_rows=cfg.local_batch_rows)
 
 
 def policy_chat_format(settings: Settings) -> ChatFormat:
