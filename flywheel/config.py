@@ -431,6 +431,11 @@ class StackSettings(BaseModel):
     watch_interval_s: float = Field(default=15.0, gt=0)
     """How often the supervisor reads consumer lag (for `flywheel status` and to know what
     a lost broker held) and the broker's memory."""
+    cores_dir: Path | None = None
+    """Where the torch services of one machine mark their heavy operations, each sizing
+    torch's threads to its share of the cores among those busy at that moment
+    (`flywheel.policy.cores`): alone at work, every core. `flywheel up` sets
+    `<home>/cores`; unset = no sharing (the engine keeps torch's pool as started)."""
 
 
 class Settings(BaseSettings):

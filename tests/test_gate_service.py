@@ -128,7 +128,7 @@ async def test_rounds_stop_when_clear_and_production_is_sampled_once_per_index(
     timed = [(t.side, t.round, t.samples, t.cached) for t in record.rounds]
     assert timed == [(side, r, 20, False) for r in range(used)
                      for side in ("candidate", "production")]
-    assert all(t.seconds >= 0 and t.samples_per_s is None or t.samples_per_s > 0
+    assert all((t.seconds >= 0 and t.samples_per_s is None) or t.samples_per_s > 0
                for t in record.rounds)
 
     # v2 against production v1: v1's first rounds are cached from its own evaluation.

@@ -49,6 +49,7 @@ from transformers import (
 from flywheel.policy.base import AdapterRef, Completion, PolicyError, SamplingParams
 from flywheel.policy.batching import Batcher, Job, Results
 from flywheel.policy.chat_format import ChatFormat, load_chat_format
+from flywheel.policy.cores import CoreShare, run_shared
 from flywheel.policy.decode import (
     PromptKV,
     Seen,
@@ -97,10 +98,14 @@ class LocalPolicy:
     def __init__(self, model_dir: Path, *, policy_name: str = "policy", device: str = "cpu",
                  dtype: torch.dtype = torch.float32, max_batch: int = 8,
                  prefix_cache_mb: float = 256.0, share_prompts: bool = True,
-                 chat_template: str = "auto", max_rows: int = 32) -> None:
+                 chat_template: str = "auto", max_rows: int = 32,
+                 cores: CoreShare | None = None) -> None:
         self.policy_name, self.max_batch = policy_name, max_batch
         self.max_rows = max(max_rows, max_batch)
         """Most rows in one forward pass when concurrent requests share it."""
+        self.cores = cores
+        """Every model operation runs at this process's share of the cores (None: torch's
+        pool as it is)."""
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         # Its own tokenizer: callers may render and parse while the worker thread decodes.
         self._chat_format = load_chat_format(model_dir, chat_template)
@@ -184,7 +189,8 @@ class LocalPolicy:
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         if self._worker is None:
             raise PolicyError("this LocalPolicy is closed")
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._worker, run_shared, self.cores, fn, *args)
 
     def _name(self, adapter: AdapterRef | None) -> str | None:
         if adapter is not None and adapter.policy != self.policy_name:
