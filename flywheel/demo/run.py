@@ -124,9 +124,15 @@ DEMO_ENV = {
     # nearly perfect policy are all successes: zero advantage, nothing for GRPO to learn.
     "FLYWHEEL_TRAINER__SFT_STEPS": "8",
     # Rollouts sample a fresh snapshot every 2 steps; a GRPO version goes to the gate once
-    # 24 groups (6 steps) were trained since the last candidate and none is waiting.
+    # 16 groups (4 steps) were trained since the last candidate and none is waiting. At 24
+    # (6 steps, v4) the candidate came ~8 groups later — 2–3 minutes of rollouts on 2 cores
+    # — and on a slower machine the demo ended before the gate decided it (GRPO+gate 833 s,
+    # v4 undecided); with 4 groups in flight per worker and gate rounds batched it is
+    # proposed sooner and evaluated faster. alpha, min_gain and the design gain are as
+    # they were: an earlier candidate may gain less and be rejected for futility — a
+    # decision, with its reason, all the same.
     "FLYWHEEL_TRAINER__PUBLISH_EVERY": "2",
-    "FLYWHEEL_TRAINER__PROPOSE_MIN_GROUPS": "24",
+    "FLYWHEEL_TRAINER__PROPOSE_MIN_GROUPS": "16",
 }
 
 
