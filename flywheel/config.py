@@ -434,8 +434,11 @@ class StackSettings(BaseModel):
     cores_dir: Path | None = None
     """Where the torch services of one machine mark their heavy operations, each sizing
     torch's threads to its share of the cores among those busy at that moment
-    (`flywheel.policy.cores`): alone at work, every core. `flywheel up` sets
-    `<home>/cores`; unset = no sharing (the engine keeps torch's pool as started)."""
+    (`flywheel.policy.cores`): alone at work, every core. Unset (the default) = no sharing:
+    the fixed split of `flywheel up` (OMP_NUM_THREADS = cores // 3). Opt in only on a
+    machine the stack has to itself: it counts only the stack's torch services, and on a
+    2-core machine loaded by other work two OpenMP threads ran a group 6× slower than one
+    (docs/BENCHMARKS.md)."""
 
 
 class Settings(BaseSettings):

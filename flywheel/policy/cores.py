@@ -17,6 +17,12 @@ each process already runs in its own thread, and needs nothing running. The shar
 operation (a batched generate, a trainer step), so a process that becomes busy mid-way is
 accounted for at the next one: at most one operation's worth of overlap.
 
+Opt-in (`stack.cores_dir`): the marks count only this stack's torch services, not other work
+on the machine, and OpenMP threads that share a core with anything else spin-wait: on the
+shared 2-core development machine (load 2–4 from other work) one process alone sampling
+with 2 threads took 147–152 s for 4 groups against 25–28 s with 1 (docs/BENCHMARKS.md). On
+a machine the stack has to itself it gives a lone busy service every core.
+
 Pure Python (torch is imported only to set the pool, in the thread that computes).
 """
 

@@ -129,11 +129,8 @@ class Stack:
         if self.vllm is not None:
             rollout = rollout.model_copy(update={"vllm_urls": [self.vllm.url]})
         api = s.api.model_copy(update={"tokens": load_or_make_tokens(s)})
-        stack = s.stack if s.stack.cores_dir else s.stack.model_copy(
-            update={"cores_dir": self.home / "cores"})  # cores follow the work
         self.settings = s.model_copy(update={"kafka": kafka, "db": db, "api": api,
-                                             "rollout": rollout, "home": self.home,
-                                             "stack": stack})
+                                             "rollout": rollout, "home": self.home})
         if self.broker is not None:
             start_broker(self, previous)
         else:
