@@ -12,8 +12,11 @@ Validation: also subscribes to `<prefix>.adapters` (`AdapterTrained`), group
             (`flywheel.validation.scoring`: writes `validation_runs`, `validation_status`;
             publishes `ValidationScored`, `CandidateProposed`, `OverfittingDetected`).
 
-Before sampling, a worker waits while the untrained backlog is at max_staleness × B groups
-(admission control). The request's offset is committed only after its group is recorded.
+A worker keeps `rollout.max_inflight_groups` groups sampling at once (the engine batches
+them; `flywheel.runtime.inflight`). Before sampling, each waits while the untrained backlog,
+this worker's admitted groups included, is at max_staleness × B groups (admission control).
+A request's offset is committed only after its group is recorded, and never past a request
+still in flight.
 A request that cannot be served (an unknown adapter or environment, a malformed message, a
 bug) is parked and its request marked failed; an engine or database outage is retried with
 backoff (`flywheel.runtime.consume`).
@@ -38,7 +41,7 @@ from flywheel.errors import Failure, InvalidRecord
 from flywheel.events import AdapterTrained, RolloutRequested
 from flywheel.policy.base import Policy
 from flywheel.policy.factory import make_policy
-from flywheel.rollout.service import handle_request, mark_failed, worker_name
+from flywheel.rollout.service import Admission, handle_request, mark_failed, worker_name
 from flywheel.runtime.consume import (
     Park,
     Process,
@@ -50,6 +53,7 @@ from flywheel.runtime.consume import (
     subscribe,
 )
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
+from flywheel.runtime.inflight import InFlight
 from flywheel.runtime.service import run_faststream
 from flywheel.validation.scoring import ValidationPass
 
@@ -69,6 +73,8 @@ def rollout_handlers(settings: Settings, engine: AsyncEngine, policy: Policy,
         if isinstance(event, RolloutRequested):
             await mark_failed(conn, event.payload.request_id)
 
+    admission = Admission()
+
     async def serve(records: Sequence[ConsumerRecord[bytes, bytes]]) -> None:
         for record in records:
             event = read_event(record)
@@ -76,7 +82,7 @@ def rollout_handlers(settings: Settings, engine: AsyncEngine, policy: Policy,
                 continue
             outcome = await handle_request(event.payload, engine=engine, policy=policy,
                                            settings=settings, worker=worker,
-                                           adapters=adapters)
+                                           adapters=adapters, admission=admission)
             if outcome is not None:
                 log.info("group %s: %d scored, mean reward %s, trainable %s",
                          event.payload.request_id, len(outcome.scored), outcome.reward_mean,
@@ -93,11 +99,13 @@ def build_app(settings: Settings) -> FastStream:
     serve, park = rollout_handlers(settings, engine, policy, AdapterResolver(engine, settings),
                                    worker_name())
 
+    inflight = InFlight(settings.rollout.max_inflight_groups, serve, park, retry, logger=log)
+
     # A group on CPU can take minutes; admission may hold a request longer still.
     @subscribe(broker, settings.topics.rollout_requests, settings, settings.rollout.group_id,
                slow=True)
     async def rollout(body: Any, msg: KafkaMessage) -> None:
-        await handle(records_of(body), msg.consumer, serve, park, retry, logger=log)
+        await inflight.submit(records_of(body), msg.consumer)
 
     validation = ValidationPass(settings, engine, policy)
 
@@ -117,6 +125,10 @@ def build_app(settings: Settings) -> FastStream:
                      parker(engine, "validation", settings.topics), retry, logger=log)
 
     app = FastStream(broker, logger=log)
+
+    @app.on_shutdown
+    async def _stop_groups() -> None:  # before the consumer closes; they are redelivered
+        await inflight.close()
 
     @app.after_shutdown
     async def _close() -> None:

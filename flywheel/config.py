@@ -125,6 +125,15 @@ class RolloutSettings(BaseModel):
     episode) runs once across requests, groups, the gate and serving. SmolLM2-135M takes
     45 KiB a token, ~12 MiB a tool_call prompt. 0 = keep none (each call still runs each of
     its distinct prompts once). vLLM caches prefixes itself: ignored there."""
+    max_inflight_groups: int = Field(default=4, ge=1)
+    """Groups a rollout worker samples at once (each request's offset is committed once its
+    group is recorded, never past one still in flight): concurrent groups share the local
+    engine's forwards, and vLLM needs many sequences in flight. Admission still holds the
+    untrained backlog, these groups included, under max_staleness × B."""
+    local_batch_rows: int = Field(default=32, ge=1)
+    """Most rows (sequences) in one forward pass of the local engine when concurrent
+    requests share it; bounds the keys/values it holds at once (~45 KiB a token a row for
+    SmolLM2-135M)."""
     rollout_timeout_s: float = 600.0
     """Per-rollout deadline: a straggler is typed `timeout` and excluded, never scored 0.
     Sized for multi-step groups on the CPU engine (a GPU finishes far sooner)."""
@@ -232,6 +241,10 @@ class GateSettings(BaseModel):
     """Attempts per holdout task and side in one round: the gate looks at the outcome after
     every round (each round covers every task equally, which the sequential test needs).
     Smaller rounds stop sooner; larger ones batch better on a CPU engine."""
+    max_inflight: int = Field(default=64, ge=1)
+    """Holdout tasks of one round sampled at once (each with its own seed, so a round's
+    outcomes do not depend on it): the local engine batches them into shared forwards, vLLM
+    schedules them together. 1 = one task after another."""
     temperature: float = Field(default=0.7, ge=0)
     """Sampling temperature of the evaluation; 0 = greedy decoding (every sample of a task is
     the same: use `samples_per_task` 1 and `round_samples` 1), which is how an agent calling
@@ -490,6 +503,14 @@ class StackSettings(BaseModel):
     watch_interval_s: float = Field(default=15.0, gt=0)
     """How often the supervisor reads consumer lag (for `flywheel status` and to know what
     a lost broker held) and the broker's memory."""
+    cores_dir: Path | None = None
+    """Where the torch services of one machine mark their heavy operations, each sizing
+    torch's threads to its share of the cores among those busy at that moment
+    (`flywheel.policy.cores`): alone at work, every core. Unset (the default) = no sharing:
+    the fixed split of `flywheel up` (OMP_NUM_THREADS = cores // 3). Opt in only on a
+    machine the stack has to itself: it counts only the stack's torch services, and on a
+    2-core machine loaded by other work two OpenMP threads ran a group 6× slower than one
+    (docs/BENCHMARKS.md)."""
 
 
 class ValidationSettings(BaseModel):

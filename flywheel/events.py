@@ -507,6 +507,17 @@ class GateDecision(_Payload):
     from before it was kept, and under `gate.test_only_accept`)."""
 
 
+class RoundTiming(_Payload):
+    """How long one round of one side took (`cached`: read from `eval_runs`, not sampled)."""
+
+    round: int
+    side: Literal["candidate", "production"]
+    seconds: float
+    samples: int
+    samples_per_s: float | None
+    cached: bool
+
+
 class AdapterEvaluatedPayload(GateDecision):
     """A decision and what it was about."""
 
@@ -520,6 +531,10 @@ class AdapterEvaluatedPayload(GateDecision):
     selected_by: str | None = None
     """How the candidate was selected, in words: by the validation pass (its gain over
     production on the validation tasks) or by the trainer at publication. Never holdout."""
+
+    rounds: list[RoundTiming] = Field(default_factory=list)
+    """Every round of both sides in order, with its seconds and samples/s (empty in records
+    from before they were kept)."""
 
 
 class AdapterEvaluated(_Event):

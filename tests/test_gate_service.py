@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,8 @@ class Sampler:
         self.seen: list[dict[str, Any]] = []
 
     async def __call__(self, policy: Any, holdout: Holdout, adapter: AdapterRef | None,
-                       settings: Settings, round_: int = 0) -> EvalRun:
+                       settings: Settings, round_: int = 0,
+                       on_task: Callable[[int], None] | None = None) -> EvalRun:
         version = adapter.version if adapter else None
         self.calls.append((version, round_))
         async with self.engine.connect() as conn:
@@ -68,6 +70,8 @@ class Sampler:
                 ok = rng.random() < RATES[version]
                 attempts.append(Attempt(str(task.task_id), j, ok, float(ok), False, False,
                                         50.0, 10))
+            if on_task is not None:
+                on_task(s)
         return EvalRun(version, {str(t.task_id): task_groups(t) for t in holdout.tasks},
                        attempts)
 
@@ -118,10 +122,15 @@ async def test_rounds_stop_when_clear_and_production_is_sampled_once_per_index(
         [(1, r) for r in range(used)] + [(None, r) for r in range(used)], key=str)
     assert record.latency == "paired_probe" and record.latency_probe is not None
     assert record.power is not None and record.power.tasks == 10
-    # While it ran, the status said so and counted the candidate's samples.
+    # While it ran, the status said so and counted both sides' samples.
     during = [x for x in sampler.seen if x.get("state") == "evaluating"]
-    assert during and during[-1]["version"] == 1 and during[-1]["samples_planned"] == 200
-    assert during[-1]["samples_done"] == 20 * (used - 1)
+    assert during and during[-1]["version"] == 1 and during[-1]["samples_planned"] == 400
+    assert during[-1]["samples_done"] == 2 * 20 * (used - 1)
+    timed = [(t.side, t.round, t.samples, t.cached) for t in record.rounds]
+    assert timed == [(side, r, 20, False) for r in range(used)
+                     for side in ("candidate", "production")]
+    assert all((t.seconds >= 0 and t.samples_per_s is None) or t.samples_per_s > 0
+               for t in record.rounds)
 
     # v2 against production v1: v1's first rounds are cached from its own evaluation.
     await _train(engine, s, 2)

@@ -394,11 +394,14 @@ def bench_rollout(
                                        "version.")] = False,
     gpu: Annotated[bool, typer.Option(help="With --engine vllm: start vLLM with the GPU "
                                       "flags.")] = False,
+    in_flight: Annotated[int | None, typer.Option(
+        "--in-flight", help="Instead: groups/s of the configured engine with this many "
+        "groups in flight vs one at a time (same tasks and seeds).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Groups through the rollout worker vs the engine directly, and the engine with prompts
     shared vs run in full (same prompts and seeds); or (`--engine vllm`) vLLM vs the local
-    engine on the same groups."""
+    engine on the same groups; or (`--in-flight N`) N groups at once vs one at a time."""
     if engine == "vllm":
         from flywheel.bench.engines import run_engine_bench
         from flywheel.runtime.vllm import VLLMStartError
@@ -412,10 +415,32 @@ def bench_rollout(
         return
     if engine != "worker":
         _fail(f"--engine must be worker or vllm, not {engine!r}")
+    if in_flight is not None:
+        from flywheel.bench.inflight import run_inflight_rollout_bench
+
+        print_result(run_inflight_rollout_bench(groups=groups, inflight=in_flight,
+                                                group_size=group_size, max_tokens=max_tokens,
+                                                settings=_settings()), as_json)
+        return
     from flywheel.bench.rollout import run_bench
 
     result = run_bench(groups, group_size=group_size, max_tokens=max_tokens, worker=worker)
     print_result(result, as_json)
+
+
+@bench_app.command("gate")
+def bench_gate(
+    tasks: Annotated[int, typer.Option(help="Holdout tasks of each set.")] = 24,
+    inflight: Annotated[int, typer.Option(help="Tasks in flight on the new path.")] = 64,
+    rounds: Annotated[int, typer.Option(help="Gate rounds on each side.")] = 1,
+    as_json: JsonOpt = False,
+) -> None:
+    """Samples/s of gate rounds on the same holdouts (the demo's tasks; the same with large
+    tool schemas): one task after another vs all in flight, on the configured engine."""
+    from flywheel.bench.inflight import run_gate_bench
+
+    print_result(run_gate_bench(tasks=tasks, inflight=inflight, rounds=rounds,
+                                settings=_settings()), as_json)
 
 
 @bench_app.command("learning")

@@ -7,7 +7,8 @@ settings, so their attempts pair up by (task, index). Each round of a side is ca
 `eval_runs` under a key of everything that determines it (policy, version, eval-set version,
 gate sampling settings, engine, chat format) plus the round, so production is sampled once
 per index however many candidates it meets, and an evaluation that goes deeper extends its
-cache.
+cache. The tasks of a round are sampled together (`gate.max_inflight` at once) so the engine
+batches them; each keeps its seed, so the round's outcomes are those of one task at a time.
 
 Every attempt the model made is an `Attempt` (an empty, truncated or timed-out reply is a
 failure with reward 0: `flywheel.gate.accounting`). A task whose attempts the infrastructure
@@ -22,6 +23,7 @@ import hashlib
 import json
 import logging
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from sqlalchemy import text
@@ -173,16 +175,31 @@ async def scored_group(policy: Policy, task: TaskSpec, env: Environment, cfg: Gr
 
 
 async def evaluate(policy: Policy, holdout: Holdout, adapter: AdapterRef | None,
-                   settings: Settings, round_: int = 0) -> EvalRun:
-    """Round `round_` of `adapter` (None = the base model) on every holdout task."""
+                   settings: Settings, round_: int = 0,
+                   on_task: Callable[[int], None] | None = None) -> EvalRun:
+    """Round `round_` of `adapter` (None = the base model) on every holdout task, up to
+    `gate.max_inflight` tasks at once (each with its own seed: the outcome is the same at any
+    concurrency); `on_task(samples)` as each task's group is done."""
     s = settings.gate.round_samples
     cfg = _config(settings)
+    slots = asyncio.Semaphore(settings.gate.max_inflight)
+
+    async def group(task: TaskSpec) -> GroupOutcome:
+        async with slots:
+            outcome = await scored_group(policy, task, load_environment(task.env), cfg,
+                                         settings, adapter=adapter,
+                                         seed=round_seed(settings, task, round_),
+                                         group_key=f"eval-{task.task_id}-r{round_}")
+        if on_task is not None:
+            on_task(len(outcome.rollouts))
+        return outcome
+
+    async with asyncio.TaskGroup() as tg:  # a failure cancels the rest of the round
+        groups = [tg.create_task(group(task)) for task in holdout.tasks]
     attempts: list[Attempt] = []
     kinds: dict[str, int] = {}
-    for task in holdout.tasks:
-        outcome = await scored_group(policy, task, load_environment(task.env), cfg, settings,
-                                     adapter=adapter, seed=round_seed(settings, task, round_),
-                                     group_key=f"eval-{task.task_id}-r{round_}")
+    for task, done in zip(holdout.tasks, groups, strict=True):
+        outcome = done.result()
         for rollout in outcome.rollouts:
             if rollout.reward is None:
                 kind = rollout.not_run or "crash"

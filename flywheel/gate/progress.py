@@ -2,7 +2,8 @@
 
 `flywheel status`, `/metrics`, the dashboard and the trainer's wait for the baseline read
 it (`flywheel.adapters.registry.gate_activity`). While the gate works, a heartbeat keeps
-`updated_at` fresh even inside a long round, so a stopped gate reads as stale, not busy.
+`updated_at` fresh even inside a long round, so a stopped gate reads as stale, not busy, and
+writes the samples done so far, counted task by task, so progress moves within a round.
 Writes commit on their own (short transactions): progress is not part of any decision.
 """
 
@@ -88,9 +89,16 @@ class Progress:
 
     def __init__(self, engine: AsyncEngine, policy: str) -> None:
         self.engine, self.policy = engine, policy
+        self.samples = 0
+        """Samples done in the current activity, task by task (the heartbeat writes it)."""
+
+    def task_done(self, samples: int) -> None:
+        """One task's group (of `samples`) is done: counted now, written with the next beat."""
+        self.samples += samples
 
     @contextlib.asynccontextmanager
     async def activity(self, state: str, **fields: Any) -> AsyncIterator[Progress]:
+        self.samples = 0
         async with self.engine.begin() as conn:
             await write_status(conn, self.policy, state=state, **fields)
         beat = asyncio.create_task(self._beat())
@@ -104,9 +112,9 @@ class Progress:
                 async with self.engine.begin() as conn:
                     await write_status(conn, self.policy, state="idle")
 
-    async def round_done(self, round_: int, samples_done: int, detail: str | None) -> None:
+    async def round_done(self, round_: int, detail: str | None) -> None:
         async with self.engine.begin() as conn:
-            await write_round(conn, self.policy, round_=round_, samples_done=samples_done,
+            await write_round(conn, self.policy, round_=round_, samples_done=self.samples,
                               detail=detail)
 
     async def power(self, power: GatePower) -> None:
@@ -120,7 +128,8 @@ class Progress:
             await asyncio.sleep(HEARTBEAT_S)
             try:
                 async with self.engine.begin() as conn:
-                    await conn.execute(text("""UPDATE gate_status SET updated_at = now()
-                        WHERE policy = :p"""), {"p": self.policy})
+                    await conn.execute(text("""UPDATE gate_status SET updated_at = now(),
+                        samples_done = GREATEST(samples_done, :n) WHERE policy = :p"""),
+                        {"p": self.policy, "n": self.samples})
             except Exception as err:  # a missed heartbeat must not stop the evaluation
                 log.warning("gate heartbeat failed: %s", err)

@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -32,6 +33,7 @@ from flywheel.events import (
     Event,
     GateCanaries,
     LatencyProbe,
+    RoundTiming,
 )
 from flywheel.gate import canaries, lifetime, sequential
 from flywheel.gate.accounting import complete_rounds, rounds_seen
@@ -72,18 +74,36 @@ class GateService:
         return adapter
 
     async def round_for(self, version: int | None, adapter: AdapterRef | None,
-                        holdout: Holdout, round_: int) -> EvalRun:
-        """Round `round_` of `version` (None = base model), from the cache or sampled."""
+                        holdout: Holdout, round_: int,
+                        timings: list[RoundTiming] | None = None,
+                        side: Literal["candidate", "production"] = "candidate") -> EvalRun:
+        """Round `round_` of `version` (None = base model), from the cache or sampled; its
+        seconds and samples/s appended to `timings`."""
+        started = time.monotonic()
         # A thread: the vLLM engine loads its tokenizer on first use.
         fmt = await asyncio.to_thread(lambda: self.policy.chat_format.version)
         key = round_key(run_key(self.settings, version, holdout, fmt), round_)
         async with self.engine.connect() as conn:
-            cached = await cached_run(conn, key)
-        if cached is not None:
-            return cached
-        run = await evaluate(self.policy, holdout, adapter, self.settings, round_)
-        async with self.engine.begin() as conn:
-            await store_run(conn, key, self.name, holdout, run)
+            run = await cached_run(conn, key)
+        cached = run is not None
+        if run is None:
+            run = await evaluate(self.policy, holdout, adapter, self.settings, round_,
+                                 on_task=self.progress.task_done)
+            async with self.engine.begin() as conn:
+                await store_run(conn, key, self.name, holdout, run)
+        else:
+            self.progress.task_done(len(run.attempts) + run.not_run)
+        if timings is not None:
+            seconds = time.monotonic() - started
+            samples = len(run.attempts) + run.not_run
+            timings.append(RoundTiming(
+                round=round_, side=side, seconds=round(seconds, 3), samples=samples,
+                samples_per_s=round(samples / seconds, 3) if seconds > 0 else None,
+                cached=cached))
+            if not cached:
+                log.info("%s round %d: %d samples in %.1fs (%.2f samples/s)",
+                         lifecycle.version_label(version), round_ + 1, samples, seconds,
+                         samples / max(seconds, 1e-9))
         return run
 
     async def run_for(self, version: int | None, holdout: Holdout, rounds: int) -> EvalRun:
@@ -181,10 +201,12 @@ class GateService:
             if production == version:
                 raise lifecycle.LifecycleError(f"v{version} is production already")
             rule = lifetime.rule_for(self.settings.gate, k)
-            candidate, baseline, probe = await self._rounds(version, production, holdout, rule)
+            timings: list[RoundTiming] = []
+            candidate, baseline, probe = await self._rounds(version, production, holdout, rule,
+                                                            timings)
             payload = decision_payload(self.settings, version, production,
                                        holdout.eval_set_version, candidate, baseline, probe,
-                                       found, train, candidate_number=k)
+                                       found, train, candidate_number=k, rounds=timings)
             async with self.engine.connect() as conn:
                 how = await registry.selected_by(conn, self.name, version)
             payload = payload.model_copy(update={"selected_by": how})
@@ -218,10 +240,12 @@ class GateService:
                                   self.settings)
 
     async def _rounds(self, version: int, production: int | None, holdout: Holdout,
-                      rule: GateSettings) -> tuple[EvalRun, EvalRun, LatencyProbe | None]:
+                      rule: GateSettings, timings: list[RoundTiming] | None = None
+                      ) -> tuple[EvalRun, EvalRun, LatencyProbe | None]:
         """Sample both sides round by round until the sequential test (at `rule`, this
         candidate's level) stops, a round cannot be completed, or the budget is spent (the
-        fixed tests always spend it), probing latency each round."""
+        fixed tests always spend it), probing latency each round; each round's seconds and
+        samples/s into `timings`."""
         g = self.settings.gate
         cand_ref, prod_ref = await self._adapter(version), await self._adapter(production)
         n, vs = len(holdout.tasks), lifecycle.version_label(production)
@@ -234,18 +258,18 @@ class GateService:
         async with self.busy, self.progress.activity(
                 "evaluating", version=version, baseline_version=production,
                 eval_set_version=holdout.eval_set_version, rounds_planned=g.max_rounds,
-                samples_planned=g.max_rounds * g.round_samples * n,
+                samples_planned=2 * g.max_rounds * g.round_samples * n,  # both sides
                 detail=f"v{version} against {vs}"):
             for r in range(g.max_rounds):
-                cand.append(await self.round_for(version, cand_ref, holdout, r))
-                base.append(await self.round_for(production, prod_ref, holdout, r))
+                cand.append(await self.round_for(version, cand_ref, holdout, r, timings))
+                base.append(await self.round_for(production, prod_ref, holdout, r, timings,
+                                                 "production"))
                 if n:
                     probes.append(await probe_latency(self.policy, holdout.tasks[r % n],
                                                       cand_ref, prod_ref, self.settings, r))
                 stop, detail = self._look(cand, base, r, rule)
                 log.info("v%d round %d/%d: %s", version, r + 1, g.max_rounds, detail)
-                await self.progress.round_done(
-                    r + 1, sum(len(c.attempts) + c.not_run for c in cand), detail)
+                await self.progress.round_done(r + 1, detail)
                 if stop:
                     break
         return EvalRun.combine(cand), EvalRun.combine(base), latency_probe(probes)
@@ -275,17 +299,17 @@ class GateService:
 def decision_payload(settings: Settings, version: int, production: int | None,
                      eval_set_version: int, candidate: EvalRun, baseline: EvalRun,
                      probe: LatencyProbe | None = None, found: GateCanaries | None = None,
-                     train: EvalRun | None = None, *, candidate_number: int = 1
-                     ) -> AdapterEvaluatedPayload:
+                     train: EvalRun | None = None, *, candidate_number: int = 1,
+                     rounds: list[RoundTiming] | None = None) -> AdapterEvaluatedPayload:
     """The decision record of `candidate` against `baseline` under the configured rule, for
     the `candidate_number`-th candidate against this production, with its reward-hacking
-    checks (`flywheel.gate.hacking`)."""
+    checks (`flywheel.gate.hacking`) and each round's timing."""
     return AdapterEvaluatedPayload(
         **dict(review(candidate, baseline, settings.gate, probe, found, train,
                       candidate_number=candidate_number)),
         evaluation_id=uuid.uuid4(),
         policy=settings.policy, version=version, baseline_version=production,
-        eval_set_version=eval_set_version, mode=settings.gate.mode)
+        eval_set_version=eval_set_version, mode=settings.gate.mode, rounds=rounds or [])
 
 
 def describe(events: list[Any]) -> str:

@@ -147,14 +147,35 @@ def _as_generate_lays_out(rows: Sequence[PromptKV]) -> Tensor:
     return buffer[:, -1:]
 
 
+Unit = tuple[int, int, torch.Generator | None]
+"""Rows [start, stop) of a batch that draw from one generator (None = the default RNG)."""
+
+
+def _draw(probs: Tensor, unfinished: Tensor, units: Sequence[Unit] | None) -> Tensor:
+    """One token per row [B] from `probs` [B, V]: one `multinomial` over the batch, or one per
+    unit from its own generator, skipping a unit whose rows have all ended — so each unit
+    draws exactly the numbers it would alone, whatever else shares the batch."""
+    if units is None:
+        return torch.multinomial(probs, num_samples=1)[:, 0]
+    picked = torch.zeros(probs.shape[0], dtype=torch.long, device=probs.device)
+    for start, stop, gen in units:
+        if bool(unfinished[start:stop].any()):
+            picked[start:stop] = torch.multinomial(probs[start:stop], num_samples=1,
+                                                   generator=gen)[:, 0]
+    return picked
+
+
 def sample_rows(model: Any, rows: Sequence[PromptKV], params: SamplingParams, *,
                 eos_ids: set[int], pad_id: int,
-                stop: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
+                stop: Callable[[Tensor], Tensor] | None = None,
+                units: Sequence[Unit] | None = None) -> tuple[Tensor, Tensor]:
     """Up to `params.max_tokens` tokens after each row's prompt: tokens [B, T] (padding after
     a row's end) and their sampling log-probs [B, T], T ≤ max_tokens.
 
-    `stop(tokens [B, t]) → [B] bool` marks rows a stop condition has ended. Draws from the
-    caller's RNG state (seed it, fork it). Call under `torch.no_grad()`.
+    `stop(tokens [B, t]) → [B] bool` marks rows a stop condition has ended. Without `units`,
+    draws from the caller's RNG state (seed it, fork it); with them, each unit of rows from
+    its own generator, as if it ran alone (requests of several callers in one batch). Call
+    under `torch.no_grad()`.
     """
     batch, device = len(rows), rows[0].hidden.device
     if params.max_tokens <= 0:
@@ -180,7 +201,7 @@ def sample_rows(model: Any, rows: Sequence[PromptKV], params: SamplingParams, *,
             logits = out.logits[:, -1].float()  # [B, V]
         if sampling:
             scores = warpers(no_ids, logits)
-            picked = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)[:, 0]
+            picked = _draw(torch.softmax(scores, dim=-1), unfinished, units)
         else:
             picked = logits.argmax(-1)
         picked = torch.where(unfinished, picked, pad_id)  # [B]

@@ -19,10 +19,15 @@ def make_policy(settings: Settings) -> Policy:
         return VLLMPolicy(cfg.vllm_urls, model=cfg.vllm_model, policy_name=settings.policy,
                           retention=cfg.max_staleness + 1,
                           chat_format=lambda: policy_chat_format(settings))
+    from flywheel.policy.cores import CoreShare
     from flywheel.policy.local import LocalPolicy
 
+    cores = settings.stack.cores_dir
+
     return LocalPolicy(resolve_model_dir(cfg.model_dir), policy_name=settings.policy,
-                       prefix_cache_mb=cfg.prefix_cache_mb, chat_template=cfg.chat_template)
+                       prefix_cache_mb=cfg.prefix_cache_mb, chat_template=cfg.chat_template,
+                       max_rows=cfg.local_batch_rows,
+                       cores=CoreShare(cores, "policy") if cores else None)
 
 
 def policy_chat_format(settings: Settings) -> ChatFormat:

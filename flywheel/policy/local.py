@@ -13,8 +13,12 @@ its text ends exactly at the stop. Prompts are rendered by the policy's chat for
 Each distinct prompt of a call runs once and its rows sample from copies of its keys/values
 (`flywheel.policy.decode`); the shared start of prompts (system prompt, tools, earlier turns)
 is kept across calls in a prefix cache per adapter (`flywheel.policy.prefix_cache`), dropped
-with the adapter. `share_prompts=False` samples through `generate`, every row running its
-prompt in full: the reference the shared path is tested against.
+with the adapter. Calls that arrive while the engine is busy run together (`batching`): the
+rows of every waiting request of one adapter and decoding rule go through one batched forward
+per token (up to `max_rows` rows), each request drawing from a generator of its own seed, so
+it samples what it would alone. `share_prompts=False` samples through `generate`, request by
+request, every row running its prompt in full: the reference the shared path is tested
+against.
 
 Import this module lazily: it imports torch, transformers and peft at module level.
 """
@@ -43,8 +47,17 @@ from transformers import (
 )
 
 from flywheel.policy.base import AdapterRef, Completion, PolicyError, SamplingParams
+from flywheel.policy.batching import Batcher, Job, Results
 from flywheel.policy.chat_format import ChatFormat, load_chat_format
-from flywheel.policy.decode import PromptKV, Seen, encode_cached, sample_rows, share_blocker
+from flywheel.policy.cores import CoreShare, run_shared
+from flywheel.policy.decode import (
+    PromptKV,
+    Seen,
+    Unit,
+    encode_cached,
+    sample_rows,
+    share_blocker,
+)
 from flywheel.policy.logprobs import sequence_logprobs, token_logprobs
 from flywheel.policy.prefix_cache import PrefixCache
 
@@ -85,8 +98,14 @@ class LocalPolicy:
     def __init__(self, model_dir: Path, *, policy_name: str = "policy", device: str = "cpu",
                  dtype: torch.dtype = torch.float32, max_batch: int = 8,
                  prefix_cache_mb: float = 256.0, share_prompts: bool = True,
-                 chat_template: str = "auto") -> None:
+                 chat_template: str = "auto", max_rows: int = 32,
+                 cores: CoreShare | None = None) -> None:
         self.policy_name, self.max_batch = policy_name, max_batch
+        self.max_rows = max(max_rows, max_batch)
+        """Most rows in one forward pass when concurrent requests share it."""
+        self.cores = cores
+        """Every model operation runs at this process's share of the cores (None: torch's
+        pool as it is)."""
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         # Its own tokenizer: callers may render and parse while the worker thread decodes.
         self._chat_format = load_chat_format(model_dir, chat_template)
@@ -111,6 +130,8 @@ class LocalPolicy:
         self.share_prompts = share_prompts and self._can_share()
         self._worker: ThreadPoolExecutor | None = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="flywheel-policy")
+        self.batcher = Batcher(lambda jobs: self._run(self._sample_jobs_sync, jobs))
+        """Concurrent `sample` calls wait here and run together (`flywheel.policy.batching`)."""
 
     # -- Policy protocol ---------------------------------------------------------------------
 
@@ -126,9 +147,10 @@ class LocalPolicy:
                           tools: Tools = None, adapter: AdapterRef | None = None
                           ) -> list[list[Completion]]:
         """`params.n` completions for each prompt (all offered `tools`), rows of all prompts
-        batched together."""
-        flat = await self._run(self._sample_sync, list(prompts), params, self._name(adapter),
-                               tools)
+        batched together — and with those of concurrent calls that can share the batch."""
+        if self._worker is None:
+            raise PolicyError("this LocalPolicy is closed")
+        flat = await self.batcher.submit(list(prompts), params, tools, self._name(adapter))
         return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
     async def ensure_adapter(self, adapter: AdapterRef) -> None:
@@ -167,7 +189,8 @@ class LocalPolicy:
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         if self._worker is None:
             raise PolicyError("this LocalPolicy is closed")
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._worker, run_shared, self.cores, fn, *args)
 
     def _name(self, adapter: AdapterRef | None) -> str | None:
         if adapter is not None and adapter.policy != self.policy_name:
@@ -221,22 +244,57 @@ class LocalPolicy:
         else:  # back to the plain model: no LoRA wrappers left to slow every forward
             self.model = self.model.unload()
 
-    def _sample_sync(self, prompts: list[Messages], params: SamplingParams,
-                     name: str | None, tools: Tools = None) -> list[Completion]:
-        rows = [ids for m in prompts
-                for ids in [self.prompt_ids(m, tools, params.prefill)] * params.n]
+    def _rows(self, job: Job) -> list[list[int]]:
+        p = job.params
+        return [ids for m in job.prompts
+                for ids in [self.prompt_ids(m, job.tools, p.prefill)] * p.n]
+
+    def _sample_jobs_sync(self, jobs: list[Job]) -> Results:
+        """Every job of a compatible batch (`batching.batch_key`): its completions or error."""
+        if not self.share_prompts:
+            return [self._sample_alone(j) for j in jobs]
+        results: Results = [[] for _ in jobs]
+        device = next(self.model.parameters()).device
+        chunks: dict[int, tuple[torch.Generator, list[list[list[int]]]]] = {}
+        for i, job in enumerate(jobs):
+            try:
+                rows = self._rows(job)
+            except Exception as err:  # this caller's prompt, not the batch's
+                results[i] = err
+                continue
+            gen = torch.Generator(device=device)
+            # A seed pins these samples whatever shares the batch; none = fresh entropy.
+            gen.manual_seed(job.params.seed) if job.params.seed is not None else gen.seed()
+            chunks[i] = (gen, [rows[s:s + self.max_batch]
+                               for s in range(0, len(rows), self.max_batch)])
+        params, name, seen = jobs[0].params, jobs[0].adapter, cast(Seen, {})
+        # Chunk k of a job continues its generator where chunk k-1 left it: by level.
+        levels = max((len(c) for _, c in chunks.values()), default=0)
+        with self._using(name), torch.no_grad():
+            for level in range(levels):
+                units = [(i, gen, c[level]) for i, (gen, c) in chunks.items() if level < len(c)]
+                for group in _packed(units, self.max_rows):
+                    done = self._generate_shared(group, params, name, seen)
+                    for (i, _, _), completions in zip(group, done, strict=True):
+                        cast(list[Completion], results[i]).extend(completions)
+        return results
+
+    def _sample_alone(self, job: Job) -> list[Completion] | BaseException:
+        """One job through `generate` (a model that cannot share prompts), seeded as ever."""
+        try:
+            rows = self._rows(job)
+        except Exception as err:
+            return err
         out: list[Completion] = []
         device = next(self.model.parameters()).device
         cuda = [device.index or 0] if device.type == "cuda" else []
-        with self._using(name), torch.random.fork_rng(devices=cuda):
+        with self._using(job.adapter), torch.random.fork_rng(devices=cuda):
             # fork_rng: a seed pins these samples without touching anyone else's RNG stream.
-            if params.seed is not None:
-                torch.manual_seed(params.seed)
-            encoded: Seen = {}
+            if job.params.seed is not None:
+                torch.manual_seed(job.params.seed)
             for start in range(0, len(rows), self.max_batch):
-                batch = rows[start:start + self.max_batch]
-                out += (self._generate_shared(batch, params, name, encoded) if self.share_prompts
-                        else self._generate(batch, params, name))
+                out += self._generate(rows[start:start + self.max_batch], job.params,
+                                      job.adapter)
         return out
 
     def _can_share(self) -> bool:
@@ -245,21 +303,28 @@ class LocalPolicy:
             log.warning("prompts are not shared: %s; every row runs its prompt in full", reason)
         return reason is None
 
-    def _generate_shared(self, rows: list[list[int]], params: SamplingParams, name: str | None,
-                         seen: Seen) -> list[Completion]:
+    def _generate_shared(self, units: list[Chunk],
+                         params: SamplingParams, name: str | None, seen: Seen
+                         ) -> list[list[Completion]]:
+        """One batched generate over several jobs' rows, each unit drawing from its own
+        generator; the completions of each unit."""
+        rows = [r for _, _, unit in units for r in unit]
+        spans: list[Unit] = []
+        for _, gen, unit in units:
+            start = spans[-1][1] if spans else 0
+            spans.append((start, start + len(unit), gen))
         started = time.monotonic()
         watch = _StopWatch(self._decode, 0, params)
-        with torch.no_grad():
-            prompts = [encode_cached(self.model, r, name, self.prefix_cache, seen) for r in rows]
-            new, lps = sample_rows(
-                self.model, [p for p, _ in prompts], params, eos_ids=self._eos_ids,
-                pad_id=self._pad_id,
-                stop=(lambda t: watch(cast(torch.LongTensor, t), None))
-                if params.stop else None)
+        prompts = [encode_cached(self.model, r, name, self.prefix_cache, seen) for r in rows]
+        new, lps = sample_rows(
+            self.model, [p for p, _ in prompts], params, eos_ids=self._eos_ids,
+            pad_id=self._pad_id, units=spans,
+            stop=(lambda t: watch(cast(torch.LongTensor, t), None)) if params.stop else None)
         batch_ms = (time.monotonic() - started) * 1000
-        return [self._completion(rows[i], new[i].tolist(), lps[i].tolist(), watch.stopped_at.get(i),
-                                 params, name, batch_ms, len(rows), cached=prompts[i][1])
-                for i in range(len(rows))]
+        flat = [self._completion(rows[i], new[i].tolist(), lps[i].tolist(),
+                                 watch.stopped_at.get(i), params, name, batch_ms, len(rows),
+                                 cached=prompts[i][1]) for i in range(len(rows))]
+        return [flat[a:b] for a, b, _ in spans]
 
     def _generate(self, rows: list[list[int]], params: SamplingParams,
                   name: str | None) -> list[Completion]:
@@ -307,3 +372,21 @@ class LocalPolicy:
 
     def _decode(self, tokens: list[int]) -> str:
         return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
+
+
+
+Chunk = tuple[int, torch.Generator, list[list[int]]]
+"""A job's index, its generator, and up to `max_batch` of its rows."""
+
+
+def _packed(units: list[Chunk], max_rows: int) -> list[list[Chunk]]:
+    """Consecutive chunks in forwards of at most `max_rows` rows (a chunk is never split)."""
+    groups: list[list[Chunk]] = []
+    size = max_rows
+    for unit in units:
+        if size + len(unit[2]) > max_rows:
+            groups.append([])
+            size = 0
+        groups[-1].append(unit)
+        size += len(unit[2])
+    return groups

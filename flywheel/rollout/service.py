@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 import zlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 from sqlalchemy import text
@@ -19,6 +21,7 @@ from flywheel.mining.store import HoldoutRefused, training_tasks
 from flywheel.policy.base import Policy
 from flywheel.rollout import store
 from flywheel.rollout.loop import GroupConfig, GroupOutcome, run_group
+from flywheel.tasks import TaskSpec
 
 log = logging.getLogger("flywheel.rollout")
 
@@ -31,21 +34,42 @@ def group_config(settings: Settings) -> GroupConfig:
 
 
 async def wait_for_admission(engine: AsyncEngine, settings: Settings,
-                             poll_s: float = 1.0) -> float:
-    """Block while the untrained backlog is at its bound; returns seconds waited."""
+                             poll_s: float = 1.0, reserved: int = 0) -> float:
+    """Block while the untrained backlog, plus `reserved` groups admitted but not recorded
+    yet, is at its bound; returns seconds waited."""
     budget = settings.rollout.max_staleness * settings.rollout.train_batch_groups
     waited = 0.0
     while True:
         async with engine.connect() as conn:
-            if await store.backlog(conn) < budget:
+            if await store.backlog(conn) + reserved < budget:
                 return waited
         await asyncio.sleep(poll_s)
         waited += poll_s
 
 
+class Admission:
+    """A worker's groups in flight count against the backlog bound from admission until
+    they are recorded, so N groups at once never admit more than one at a time would."""
+
+    def __init__(self) -> None:
+        self.admitted = 0
+        self._lock = asyncio.Lock()  # first come, first admitted
+
+    @contextlib.asynccontextmanager
+    async def slot(self, engine: AsyncEngine, settings: Settings) -> AsyncIterator[float]:
+        """Admitted (after waiting the seconds it yields) until the block ends."""
+        async with self._lock:
+            waited = await wait_for_admission(engine, settings, reserved=self.admitted)
+            self.admitted += 1
+        try:
+            yield waited
+        finally:
+            self.admitted -= 1
+
+
 async def handle_request(req: RolloutRequestedPayload, *, engine: AsyncEngine, policy: Policy,
-                         settings: Settings, worker: str, adapters: AdapterResolver
-                         ) -> GroupOutcome | None:
+                         settings: Settings, worker: str, adapters: AdapterResolver,
+                         admission: Admission | None = None) -> GroupOutcome | None:
     """Sample and record the group for `req`; None when there is nothing to do."""
     group_id = req.request_id
     async with engine.begin() as conn:
@@ -59,10 +83,17 @@ async def handle_request(req: RolloutRequestedPayload, *, engine: AsyncEngine, p
         if not tasks:
             await mark_failed(conn, group_id)
             return None
-    task = tasks[0]
-    waited = await wait_for_admission(engine, settings)
-    if waited:
-        log.info("admission: waited %.0fs for the trainer to drain the backlog", waited)
+    async with (admission or Admission()).slot(engine, settings) as waited:
+        if waited:
+            log.info("admission: waited %.0fs for the trainer to drain the backlog", waited)
+        return await _sample_and_record(req, tasks[0], engine=engine, policy=policy,
+                                        settings=settings, worker=worker, adapters=adapters)
+
+
+async def _sample_and_record(req: RolloutRequestedPayload, task: TaskSpec, *,
+                             engine: AsyncEngine, policy: Policy, settings: Settings,
+                             worker: str, adapters: AdapterResolver) -> GroupOutcome:
+    group_id = req.request_id
     adapter = await adapters(req.adapter_version)
     if adapter is not None:
         await adapters.protect_production(policy)

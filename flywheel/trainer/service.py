@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
@@ -34,6 +33,7 @@ from flywheel.db.deadletters import Parked
 from flywheel.db.outbox import append_events
 from flywheel.errors import InvalidRecord, failure_of, is_transient
 from flywheel.events import AdapterTrained, AdapterTrainedPayload, GroupScored
+from flywheel.policy.cores import CoreShare, run_shared
 from flywheel.runtime.consume import RetryPolicy, read_event, transiently
 from flywheel.trainer import store
 from flywheel.trainer.baseline_wait import wait_for_baseline
@@ -86,20 +86,6 @@ class TrainerState:
     """A decision the status keeps showing (e.g. why there was no SFT warm start)."""
 
 
-def on_all_cores(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run `fn` with every core in torch's intra-op pool (the stack gives each torch service a
-    share, see `flywheel.runtime.stack.torch_threads`). torch keeps the count per thread, so
-    it is set and restored in the thread that computes."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(before, os.cpu_count() or 1))
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        torch.set_num_threads(before)
-
-
 def grpo_config(settings: Settings) -> GRPOConfig:
     t = settings.trainer
     return GRPOConfig(eps_low=t.eps_low, eps_high=t.eps_high, kl_coef=t.kl_coef,
@@ -114,6 +100,9 @@ class TrainerService:
         from flywheel.adapters.factory import artifact_store
 
         self.settings, self.engine, self.ranks = settings, engine, ranks
+        self.cores = CoreShare(settings.stack.cores_dir, "trainer")
+        """SFT steps take this share of the cores (every core when not shared), and so do
+        GRPO steps when the stack shares them (else the fixed split of the launch)."""
         self.policy = settings.policy
         self.store = artifact_store(settings)
         self.version: int | None = None
@@ -225,8 +214,8 @@ class TrainerService:
         t = self.settings.trainer
         for step, batch in enumerate(sft_batches(demos, t.sft_steps, t.sft_batch)):
             self.status.detail = f"SFT step {step + 1}/{t.sft_steps} on {len(demos)} demos"
-            metrics = await asyncio.to_thread(on_all_cores, self.started.sft_step, batch,
-                                              lr=t.sft_lr)
+            metrics = await asyncio.to_thread(run_shared, self.cores, self.started.sft_step,
+                                              batch, lr=t.sft_lr)
             self.status.metrics = {f"sft_{k}": v for k, v in metrics.items()}
             log.info("SFT step %d/%d: loss %.4f", step + 1, t.sft_steps, metrics["loss"])
 
@@ -329,7 +318,9 @@ class TrainerService:
     async def _step(self, chunk: list[_Pending]) -> None:
         self.status.state, self.status.step_started_at = "training", time.monotonic()
         try:
-            metrics = await asyncio.to_thread(self.started.step, [p.group for p in chunk])
+            metrics = await asyncio.to_thread(
+                run_shared, self.cores if self.settings.stack.cores_dir else None,
+                self.started.step, [p.group for p in chunk])
         finally:
             self.status.step_started_at = None
         self.trained += chunk
