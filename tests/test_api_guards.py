@@ -11,10 +11,10 @@ import pytest
 from fastapi import APIRouter, Request
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from flywheel.api.app import create_app
-from flywheel.api.guards import INT32_MAX, existing_version, unavailable
-from flywheel.api.health import add_probe
 from flywheel.config import ApiSettings, Settings
+from flywheel.web.app import create_app
+from flywheel.web.guards import INT32_MAX, existing_version, unavailable
+from flywheel.web.health import add_probe
 
 LIMIT = 1000
 

@@ -18,7 +18,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flywheel.adapters import lifecycle
-from flywheel.api.app import create_app
 from flywheel.api.metrics import metrics_router
 from flywheel.api.operator import operator_lifespan, operator_router
 from flywheel.api.status import collect
@@ -28,6 +27,7 @@ from flywheel.events import AdapterEvaluated, Event
 from flywheel.gate.power import report
 from flywheel.runtime.broker import free_port
 from flywheel.runtime.kafka import ensure_topics
+from flywheel.web.app import create_app
 from tests.helpers import produce
 from tests.test_adapters_lifecycle import evaluate, train, with_mode
 

@@ -27,7 +27,7 @@ LAYERS: dict[str, int] = {
     # 0: the vocabulary, the ground floor: imports nothing else of ours
     **dict.fromkeys(VOCABULARY, 0),
     # 1: infrastructure and engines that know no domain process
-    "db": 1, "runtime": 1, "policy": 1, "environments": 1,
+    "db": 1, "runtime": 1, "policy": 1, "environments": 1, "web": 1,
     # 2: domain stores and the processes' pure parts
     "adapters": 2, "ingest": 2, "mining": 2, "producers": 2,
     # 3: the loop's roles

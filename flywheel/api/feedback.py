@@ -20,12 +20,12 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request, status
 from pydantic import BaseModel
 
-from flywheel.api.app import settings_of
-from flywheel.api.auth import Principal, require_scope
 from flywheel.api.gateway import publish_or_503, read_body
 from flywheel.feedback import Feedback
 from flywheel.ingest.decode import load_json, sniff
 from flywheel.ingest.feedback import validate_feedback
+from flywheel.web.app import settings_of
+from flywheel.web.auth import Principal, require_scope
 
 log = logging.getLogger(__name__)
 _REPORTED = 10  # a 422 lists this many bad records

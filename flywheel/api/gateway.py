@@ -31,15 +31,15 @@ from aiokafka.errors import KafkaError
 from fastapi import APIRouter, FastAPI, HTTPException, Request, status
 from pydantic import BaseModel
 
-from flywheel.api.app import create_app, settings_of
-from flywheel.api.auth import Principal, require_scope
-from flywheel.api.health import add_probe
 from flywheel.api.intake import intake_of, intake_router
 from flywheel.config import Settings
 from flywheel.formats import ParseContext
 from flywheel.ingest.decode import load_json, sniff, validate_record
 from flywheel.runtime.endpoints import resolve_bootstrap
 from flywheel.schemas import Trajectory
+from flywheel.web.app import create_app, settings_of
+from flywheel.web.auth import Principal, require_scope
+from flywheel.web.health import add_probe
 
 log = logging.getLogger(__name__)
 

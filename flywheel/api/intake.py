@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, HTTPException, Request, status
 from pydantic import BaseModel, Field
 
-from flywheel.api.auth import Principal, require_scope
+from flywheel.web.auth import Principal, require_scope
 
 RETRY_AFTER_S = 5
 

@@ -27,11 +27,11 @@ from prometheus_client.registry import Collector
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from flywheel.api.app import settings_of
-from flywheel.api.guards import unavailable
 from flywheel.api.hacking_metrics import COLUMNS, hacking_families
 from flywheel.api.status import counts, describe_error, lag_or_error, stack_state
 from flywheel.config import Settings
+from flywheel.web.app import settings_of
+from flywheel.web.guards import unavailable
 
 log = logging.getLogger("flywheel.api")
 SCRAPE_DB_TIMEOUT_S = 5.0

@@ -25,10 +25,6 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flywheel.adapters import lifecycle, queries
-from flywheel.api.app import settings_of
-from flywheel.api.auth import Principal, require_scope
-from flywheel.api.guards import StorableText, existing_version, storable_or_422, unavailable
-from flywheel.api.health import add_probe
 from flywheel.api.serving import ServingSync
 from flywheel.api.status import (
     dependency_report,
@@ -39,6 +35,10 @@ from flywheel.api.status import (
 )
 from flywheel.db.engine import make_engine
 from flywheel.runtime.endpoints import resolve_db_url
+from flywheel.web.app import settings_of
+from flywheel.web.auth import Principal, require_scope
+from flywheel.web.guards import StorableText, existing_version, storable_or_422, unavailable
+from flywheel.web.health import add_probe
 
 STATUS_DB_TIMEOUT_S = 5.0
 MAX_REASON = 4000

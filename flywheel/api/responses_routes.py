@@ -21,13 +21,13 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from flywheel.api.auth import Principal, require_scope
 from flywheel.api.chat_request import RequestError
 from flywheel.api.responses_body import assistant_message, response_body, sse
 from flywheel.api.responses_request import parse_responses_request, to_chat_request
 from flywheel.api.responses_store import load, save
 from flywheel.api.serving import ServingSync
 from flywheel.api.serving_routes import MODEL_HEADER, OpenAIRoute, answer_chat
+from flywheel.web.auth import Principal, require_scope
 
 
 def _serving(request: Request) -> ServingSync:

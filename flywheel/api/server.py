@@ -13,7 +13,6 @@ from flywheel.config import Settings
 
 def build_app(settings: Settings) -> FastAPI:
     """The API as `flywheel up` serves it (tests build the same app)."""
-    from flywheel.api.app import create_app
     from flywheel.api.dashboard import dashboard_router
     from flywheel.api.feedback import feedback_router
     from flywheel.api.gateway import gateway_lifespan, gateway_router
@@ -23,6 +22,7 @@ def build_app(settings: Settings) -> FastAPI:
     from flywheel.api.responses_routes import responses_router
     from flywheel.api.serving_routes import serving_router
     from flywheel.api.traces import traces_router
+    from flywheel.web.app import create_app
 
     return create_app(settings,
                       routers=[gateway_router(), traces_router(), feedback_router(),

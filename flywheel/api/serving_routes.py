@@ -21,13 +21,13 @@ from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 
-from flywheel.api.auth import Principal, require_scope
 from flywheel.api.chat_request import ChatRequest, RequestError, parse_request
 from flywheel.api.chat_stream import events
 from flywheel.api.completions import complete, model_cards
 from flywheel.api.serving import ServingSync
 from flywheel.policy.base import PolicyError
 from flywheel.policy.chat_format import ChatFormatError
+from flywheel.web.auth import Principal, require_scope
 
 MODEL_HEADER = "X-Flywheel-Model"
 _CODES = {401: "invalid_api_key", 403: "insufficient_permissions", 404: "not_found",

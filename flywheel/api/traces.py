@@ -30,8 +30,6 @@ from fastapi import APIRouter, HTTPException, Request, Response
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from flywheel.api.app import settings_of
-from flywheel.api.auth import Principal, require_scope
 from flywheel.api.gateway import publish_or_503, read_body
 from flywheel.api.intake import intake_of
 from flywheel.formats import ParseContext
@@ -44,6 +42,8 @@ from flywheel.ingest.otel import (
     trajectory_key,
 )
 from flywheel.ingest.otlp import BadExport, decompress, export_response, read_export
+from flywheel.web.app import settings_of
+from flywheel.web.auth import Principal, require_scope
 
 _KNOWN = text("SELECT DISTINCT trace_id, trajectory_id FROM otel_spans "
               "WHERE trace_id = ANY(CAST(:traces AS text[]))")

@@ -18,8 +18,8 @@ from typing import Any
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from flywheel.api.app import settings_of
 from flywheel.config import Scope, TokenGrant
+from flywheel.web.app import settings_of
 
 # auto_error=False: we answer missing credentials ourselves with 401 + a message that says
 # where tokens come from. HTTPBearer is still used so the OpenAPI spec declares the scheme.

@@ -6,8 +6,8 @@ hook*: a function `app -> async context manager` that opens the resource on entr
 on `app.state`, and closes it on exit. `create_app` enters the hooks in order at startup and
 exits them in reverse order at shutdown.
 
-Every app gets `/healthz` and `/readyz` (`flywheel.api.health`) and the guard
-(`flywheel.api.guards`: the request-body limit, 503 for a dependency that is down, a JSON
+Every app gets `/healthz` and `/readyz` (`flywheel.web.health`) and the guard
+(`flywheel.web.guards`: the request-body limit, 503 for a dependency that is down, a JSON
 500 as the last resort), so no route can be added without them.
 
 Importing this module is cheap: no torch, no Kafka client.
@@ -21,9 +21,9 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontext
 from fastapi import APIRouter, FastAPI, Request
 
 from flywheel import __version__
-from flywheel.api import guards
-from flywheel.api.health import health_router
 from flywheel.config import Settings
+from flywheel.web import guards
+from flywheel.web.health import health_router
 
 LifespanHook = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 """Opens a resource for the app's lifetime; see the module docstring."""
