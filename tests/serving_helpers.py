@@ -16,12 +16,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from flywheel.adapters import lifecycle
 from flywheel.adapters.factory import artifact_store
 from flywheel.api.operator import operator_lifespan, operator_router
-from flywheel.api.responses_routes import responses_router
-from flywheel.api.serving_routes import serving_router
 from flywheel.config import Settings
 from flywheel.db.outbox import append_events
 from flywheel.events import AdapterTrained, AdapterTrainedPayload
 from flywheel.runtime.broker import free_port
+from flywheel.serving.responses_routes import responses_router
+from flywheel.serving.routes import serving_router
 from flywheel.web.app import create_app
 
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from flywheel.api.chat_decoding import CallMarkup, answer, decoding, required_prefill
-from flywheel.api.chat_request import RequestError, param_path, parse_request
-from flywheel.api.chat_stream import chunks, events, pieces
 from flywheel.policy.chat_format import ChatFormat, load_chat_format
 from flywheel.policy.model_cache import resolve_model_dir
+from flywheel.policy.tool_choice import CallMarkup, answer, decoding, required_prefill
+from flywheel.serving.request import RequestError, param_path, parse_request
+from flywheel.serving.stream import chunks, events, pieces
 
 pytest.importorskip("transformers")
 

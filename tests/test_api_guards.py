@@ -149,7 +149,7 @@ def test_what_counts_as_a_dependency_being_down() -> None:
 
 
 def test_a_version_in_a_model_name_is_ascii_digits_in_the_id_range() -> None:
-    from flywheel.api.serving import addressed_version
+    from flywheel.serving.sync import addressed_version
 
     assert addressed_version("policy@v7", "policy") == 7
     assert addressed_version(f"policy@v{INT32_MAX}", "policy") == INT32_MAX

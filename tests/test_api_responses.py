@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from flywheel.api.chat_request import RequestError
-from flywheel.api.responses_body import assistant_message, response_body, stream_events
-from flywheel.api.responses_request import parse_responses_request, to_chat_request
+from flywheel.serving.request import RequestError
+from flywheel.serving.responses_body import assistant_message, response_body, stream_events
+from flywheel.serving.responses_request import parse_responses_request, to_chat_request
 
 openai = pytest.importorskip("openai")
 

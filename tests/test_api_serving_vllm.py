@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 
-from flywheel.api.chat_request import parse_request
-from flywheel.api.completions import complete
-from flywheel.api.serving import ServingSync
 from flywheel.config import RolloutSettings, Settings
 from flywheel.db.engine import make_engine
 from flywheel.policy.chat_format import ChatFormat, load_chat_format
 from flywheel.policy.model_cache import resolve_model_dir
+from flywheel.serving.completions import complete
+from flywheel.serving.request import parse_request
+from flywheel.serving.sync import ServingSync
 from tests.test_policy_vllm import FakeCluster
 
 pytest.importorskip("transformers")

@@ -21,9 +21,6 @@ from sqlalchemy import text
 
 from flywheel.adapters import lifecycle, registry
 from flywheel.adapters.local import AdapterStore
-from flywheel.api.chat_request import parse_request
-from flywheel.api.completions import complete
-from flywheel.api.serving import ServingSync
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
 from flywheel.db.outbox import append_events
@@ -34,6 +31,9 @@ from flywheel.mining.store import freeze_eval_set, store_task
 from flywheel.policy.local import LocalPolicy
 from flywheel.policy.model_cache import resolve_model_dir
 from flywheel.runtime.kafka import ensure_topics
+from flywheel.serving.completions import complete
+from flywheel.serving.request import parse_request
+from flywheel.serving.sync import ServingSync
 from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
 from tests.helpers import spawn, wait_for
 

@@ -22,15 +22,15 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flywheel.adapters import lifecycle
 from flywheel.adapters.local import AdapterStore
-from flywheel.api.chat_request import parse_request
-from flywheel.api.completions import complete
-from flywheel.api.serving import ServingSync
 from flywheel.config import DbSettings, Settings
 from flywheel.db.outbox import append_events
 from flywheel.events import AdapterTrained, AdapterTrainedPayload
 from flywheel.gate.service import GateService
 from flywheel.mining.store import freeze_eval_set, store_task
 from flywheel.policy.factory import make_policy
+from flywheel.serving.completions import complete
+from flywheel.serving.request import parse_request
+from flywheel.serving.sync import ServingSync
 from tests.test_policy_vllm_server import weather_task
 from tests.vllm_server import Proxy, RealVLLM, served_settings, unload
 

@@ -30,8 +30,8 @@ LAYERS: dict[str, int] = {
     "db": 1, "runtime": 1, "policy": 1, "environments": 1, "web": 1,
     # 2: domain stores and the processes' pure parts
     "adapters": 2, "ingest": 2, "mining": 2, "producers": 2,
-    # 3: the loop's roles
-    "rollout": 3, "trainer": 3, "gate": 3, "validation": 3,
+    # 3: the loop's roles, and the OpenAI endpoint
+    "rollout": 3, "trainer": 3, "gate": 3, "serving": 3, "validation": 3,
     # 4: what operators and the HTTP process use
     "api": 4, "demo": 4, "bench": 4, "cli": 4,
     # 5: the service entry points; nothing imports them

@@ -354,9 +354,9 @@ async def test_production_pinned_from_the_database_survives_retention_in_another
         tmp_path: Path) -> None:
     """Every service's engine shares the replicas: a rollout worker placing its newest
     versions must not unload what the serving endpoint answers with."""
-    from flywheel.api.completions import sample_placed
-    from flywheel.api.serving import ServingSync, Target
     from flywheel.config import Settings
+    from flywheel.serving.completions import sample_placed
+    from flywheel.serving.sync import ServingSync, Target
 
     cluster = FakeCluster(2)
     serving_engine, worker = cluster.policy(retention=3), cluster.policy(retention=1)

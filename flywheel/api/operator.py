@@ -4,7 +4,7 @@ Reads (`GET /v1/status`, `/v1/whoami`, `/v1/adapters…`, `/v1/promotions…`, `
 need any valid token; actions (approve, reject, rollback) need the `operate` scope and are
 audited as events whose `actor` is the token fingerprint (plus the `X-Flywheel-Actor` name
 when sent). The lifespan hook also owns the `ServingSync` that the OpenAI-compatible routes
-agents call (`flywheel.api.serving_routes`) answer from.
+agents call (`flywheel.serving.routes`) answer from.
 
 Mount with `create_app(settings, routers=[operator_router()], lifespan_hooks=[operator_lifespan])`.
 """
@@ -25,7 +25,6 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flywheel.adapters import lifecycle, queries
-from flywheel.api.serving import ServingSync
 from flywheel.api.status import (
     dependency_report,
     describe_error,
@@ -35,6 +34,7 @@ from flywheel.api.status import (
 )
 from flywheel.db.engine import make_engine
 from flywheel.runtime.endpoints import resolve_db_url
+from flywheel.serving.sync import ServingSync
 from flywheel.web.app import settings_of
 from flywheel.web.auth import Principal, require_scope
 from flywheel.web.guards import StorableText, existing_version, storable_or_422, unavailable

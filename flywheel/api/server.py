@@ -19,9 +19,9 @@ def build_app(settings: Settings) -> FastAPI:
     from flywheel.api.intake import intake_router
     from flywheel.api.metrics import metrics_router
     from flywheel.api.operator import operator_lifespan, operator_router
-    from flywheel.api.responses_routes import responses_router
-    from flywheel.api.serving_routes import serving_router
     from flywheel.api.traces import traces_router
+    from flywheel.serving.responses_routes import responses_router
+    from flywheel.serving.routes import serving_router
     from flywheel.web.app import create_app
 
     return create_app(settings,

@@ -53,7 +53,7 @@ class SamplingParams:
     prefill: str = ""
     """Text the assistant turn starts with, rendered right after the generation prompt: part
     of the prompt (and of `prompt_token_ids`), not of the completion. Only serving uses one,
-    for `tool_choice` "required" or a named function (`flywheel.api.chat_decoding`); rollouts
+    for `tool_choice` "required" or a named function (`flywheel.policy.tool_choice`); rollouts
     and the gate never do."""
 
 

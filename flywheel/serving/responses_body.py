@@ -4,7 +4,7 @@ The answer's text is one `message` output item (`output_text` part) and each too
 `function_call` item (its `call_id` is the chat answer's call id); a reply cut by
 `max_output_tokens` is `incomplete` (`incomplete_details.reason: max_output_tokens`), as
 OpenAI reports it. `stream: true` sends the events OpenAI sends, cut from the finished
-answer (as `chat_stream` does for chat: the engines generate whole completions), so what a
+answer (as `serving.stream` does for chat: the engines generate whole completions), so what a
 stream assembles is exactly the non-streamed `response`: `response.created`,
 `response.in_progress`, per item `response.output_item.added`, then for a message
 `response.content_part.added`, `response.output_text.delta`…, `response.output_text.done`,
@@ -20,8 +20,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from flywheel.api.chat_stream import pieces
-from flywheel.api.responses_request import ResponsesRequest
+from flywheel.serving.responses_request import ResponsesRequest
+from flywheel.serving.stream import pieces
 
 
 def response_body(request: ResponsesRequest, completion: dict[str, Any],

@@ -3,7 +3,7 @@ policy's chat format and engine, and the answer in OpenAI's shape.
 
 A request is rendered with its `tools` by the policy's `ChatFormat` and sampled by the same
 `Policy.sample` rollouts and the gate call (local engine or vLLM), then each completion is
-parsed by the same `ChatFormat.parse`; `tool_choice` adds only what `chat_decoding` says.
+parsed by the same `ChatFormat.parse`; `tool_choice` adds only what `policy.tool_choice` says.
 Without a prefill or stop of its own (`tool_choice: auto`, the default, with parallel calls
 allowed) a request is decoded exactly as the gate decodes a holdout task.
 """
@@ -19,11 +19,11 @@ from datetime import datetime
 from typing import Any
 
 from flywheel.adapters import queries
-from flywheel.api.chat_decoding import Decoding, answer, decoding
-from flywheel.api.chat_request import ChatRequest
-from flywheel.api.serving import ServingSync, Target
 from flywheel.policy.base import AdapterNotServed, Completion, SamplingParams
 from flywheel.policy.chat_format import ChatFormat
+from flywheel.policy.tool_choice import Decoding, answer, decoding
+from flywheel.serving.request import ChatRequest
+from flywheel.serving.sync import ServingSync, Target
 
 DEFAULT_MAX_TOKENS = 256
 """Completion length when a request sets neither `max_tokens` nor `max_completion_tokens`."""

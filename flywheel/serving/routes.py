@@ -21,12 +21,12 @@ from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 
-from flywheel.api.chat_request import ChatRequest, RequestError, parse_request
-from flywheel.api.chat_stream import events
-from flywheel.api.completions import complete, model_cards
-from flywheel.api.serving import ServingSync
 from flywheel.policy.base import PolicyError
 from flywheel.policy.chat_format import ChatFormatError
+from flywheel.serving.completions import complete, model_cards
+from flywheel.serving.request import ChatRequest, RequestError, parse_request
+from flywheel.serving.stream import events
+from flywheel.serving.sync import ServingSync
 from flywheel.web.auth import Principal, require_scope
 
 MODEL_HEADER = "X-Flywheel-Model"

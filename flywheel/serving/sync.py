@@ -7,7 +7,7 @@ each replica, then `/v1/models` must list it; local engine: the checksummed arti
 in process — and only then does the alias move and `ServingSwitched` get recorded. Agents
 call `POST /v1/chat/completions` with `model: "production"` and get the version the alias
 points at; the response's `model` names it (`<policy>@v<N>`, or the base model). How a
-request is answered is in `flywheel.api.completions`, the routes in `serving_routes`.
+request is answered is in `flywheel.serving.completions`, the routes in `serving.routes`.
 """
 
 from __future__ import annotations

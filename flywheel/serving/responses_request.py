@@ -2,14 +2,14 @@
 send it, and the Chat Completions request it is answered as.
 
 `parse_responses_request(body)` validates the raw bytes strictly (pydantic's JSON parser, as
-`chat_request` does) into a `ResponsesRequest` or raises a `RequestError` naming the
+`serving.request` does) into a `ResponsesRequest` or raises a `RequestError` naming the
 parameter the way OpenAI does (`input[1].call_id`). `to_chat_request(request, history)` is the
 same call as a `ChatRequest`: `instructions` a system message first, then the stored
 conversation `previous_response_id` names (its own instructions are not inherited, as on
 OpenAI), then the input items — a `function_call` joins the assistant message before it (a
 turn's text and calls are one assistant message, as the chat format renders them), a
 `function_call_output` is a `tool` message. From there on a call is decoded exactly as a
-chat completion, and so as the gate decodes (`flywheel.api.completions`); what
+chat completion, and so as the gate decodes (`flywheel.serving.completions`); what
 `ChatRequest` refuses (the tool-name rule, ranges) is refused here, named by this API's
 parameters.
 
@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationError, field_validator
 
-from flywheel.api.chat_request import (
+from flywheel.serving.request import (
     ChatRequest,
     RequestError,
     _Model,

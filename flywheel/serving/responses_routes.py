@@ -21,12 +21,12 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from flywheel.api.chat_request import RequestError
-from flywheel.api.responses_body import assistant_message, response_body, sse
-from flywheel.api.responses_request import parse_responses_request, to_chat_request
-from flywheel.api.responses_store import load, save
-from flywheel.api.serving import ServingSync
-from flywheel.api.serving_routes import MODEL_HEADER, OpenAIRoute, answer_chat
+from flywheel.serving.request import RequestError
+from flywheel.serving.responses_body import assistant_message, response_body, sse
+from flywheel.serving.responses_request import parse_responses_request, to_chat_request
+from flywheel.serving.responses_store import load, save
+from flywheel.serving.routes import MODEL_HEADER, OpenAIRoute, answer_chat
+from flywheel.serving.sync import ServingSync
 from flywheel.web.auth import Principal, require_scope
 
 
