@@ -20,11 +20,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from flywheel.adapters import lifecycle
 from flywheel.api.metrics import metrics_router
 from flywheel.api.operator import operator_lifespan, operator_router
-from flywheel.api.status import collect
 from flywheel.config import GateSettings, Settings
 from flywheel.demo.watch import finished, read_progress
 from flywheel.events import AdapterEvaluated, Event
 from flywheel.gate.power import report
+from flywheel.observe.status import collect
 from flywheel.runtime.broker import free_port
 from flywheel.runtime.kafka import ensure_topics
 from flywheel.web.app import create_app

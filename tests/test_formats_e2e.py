@@ -26,7 +26,6 @@ import asyncpg
 import httpx
 import pytest
 
-from flywheel.api.status import collect
 from flywheel.config import (
     ApiSettings,
     DbSettings,
@@ -36,6 +35,7 @@ from flywheel.config import (
     TokenGrant,
     settings_env,
 )
+from flywheel.observe.status import collect
 from flywheel.runtime.broker import LocalBroker, free_port
 from flywheel.runtime.kafka import ensure_topics
 from flywheel.runtime.postgres import LocalPostgres

@@ -32,18 +32,19 @@ LAYERS: dict[str, int] = {
     "adapters": 2, "ingest": 2, "mining": 2, "producers": 2,
     # 3: the loop's roles, and the OpenAI endpoint
     "rollout": 3, "trainer": 3, "gate": 3, "serving": 3, "validation": 3,
-    # 4: what operators and the HTTP process use
-    "api": 4, "demo": 4, "bench": 4, "cli": 4,
-    # 5: the service entry points; nothing imports them
-    "consumers": 5,
+    # 4: read models of the whole pipeline: status reads every role's tables
+    "observe": 4,
+    # 5: what operators and the HTTP process use
+    "api": 5, "demo": 5, "bench": 5, "cli": 5,
+    # 6: the service entry points; nothing imports them
+    "consumers": 6,
 }
 SAME_LAYER_ALLOWED = {
     ("runtime", "db"),        # `flywheel up` migrates the database it starts
     ("producers", "ingest"),  # the SDK and replay validate exactly as ingest decodes
     ("gate", "rollout"),      # the gate evaluates by running rollout groups
     ("validation", "gate"),   # the validation pass scores with the gate's round machinery
-    ("cli", "api"), ("cli", "demo"), ("cli", "bench"), ("bench", "demo"),
-    ("demo", "api"),
+    ("cli", "demo"), ("cli", "bench"), ("bench", "demo"),
     ("schemas", "formats"),   # the wire format converts what agents log (pure dict → dict)
     ("schemas", "responses_log"),
     ("feedback", "schemas"), ("feedback", "formats"),  # feedback carries items, corrections

@@ -8,9 +8,9 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from flywheel.api.status import collect
 from flywheel.config import Settings
 from flywheel.demo.simulate import simulate
+from flywheel.observe.status import collect
 from flywheel.runtime.kafka import ensure_topics
 from tests.helpers import produce, scalar, spawn, wait_for
 

@@ -10,7 +10,6 @@ import asyncpg
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from flywheel.api.status import counts
 from flywheel.config import Topics
 from flywheel.feedback import parse_feedback
 from flywheel.ingest.decode import RawRecord, classify
@@ -18,6 +17,7 @@ from flywheel.ingest.store import insert_trajectories
 from flywheel.mining import outcomes
 from flywheel.mining.outcomes import apply_pending, store_feedback
 from flywheel.mining.service import mine_batch
+from flywheel.observe.status import counts
 from flywheel.schemas import parse_trajectory
 from tests.helpers import scalar
 from tests.test_formats import SECOND, SYSTEM, USER, call, pair

@@ -29,7 +29,6 @@ import asyncpg
 import httpx
 import pytest
 
-from flywheel.api.status import collect
 from flywheel.config import (
     ApiSettings,
     DbSettings,
@@ -41,6 +40,7 @@ from flywheel.config import (
     settings_env,
 )
 from flywheel.ingest.otel import trajectory_id, trajectory_key
+from flywheel.observe.status import collect
 from flywheel.runtime.broker import LocalBroker, free_port
 from flywheel.runtime.kafka import ensure_topics
 from flywheel.runtime.postgres import LocalPostgres

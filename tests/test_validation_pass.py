@@ -190,7 +190,7 @@ async def test_flat_validation_with_rising_training_reward_proposes_nothing_and_
     assert abs(v7["gap"] - (0.86 - 4 / 9)) < 1e-9
     # Status and /metrics say so; the trainer's own state too.
     from flywheel.api.metrics import families, snapshot
-    from flywheel.api.status import counts
+    from flywheel.observe.status import counts
 
     async with engine.connect() as conn:
         data = await counts(conn, "policy")

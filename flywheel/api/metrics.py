@@ -28,8 +28,8 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from flywheel.api.hacking_metrics import COLUMNS, hacking_families
-from flywheel.api.status import counts, describe_error, lag_or_error, stack_state
 from flywheel.config import Settings
+from flywheel.observe.status import counts, describe_error, lag_or_error, stack_state
 from flywheel.web.app import settings_of
 from flywheel.web.guards import unavailable
 

@@ -25,14 +25,14 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flywheel.adapters import lifecycle, queries
-from flywheel.api.status import (
+from flywheel.db.engine import make_engine
+from flywheel.observe.status import (
     dependency_report,
     describe_error,
     lag_or_error,
     overview,
     stack_state,
 )
-from flywheel.db.engine import make_engine
 from flywheel.runtime.endpoints import resolve_db_url
 from flywheel.serving.sync import ServingSync
 from flywheel.web.app import settings_of

@@ -146,7 +146,7 @@ def migrate() -> None:
 def status(as_json: JsonOpt = False) -> None:
     """Pipeline counts, consumer lag, and the local stack's components (exit 1 when Postgres
     or Kafka does not answer: what is known is still printed)."""
-    from flywheel.api.status import collect
+    from flywheel.observe.status import collect
     from flywheel.runtime.endpoints import StackNotRunning
 
     try:

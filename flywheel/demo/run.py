@@ -64,7 +64,7 @@ async def _publish(settings: Settings, run: dict[str, Any], rng: random.Random) 
 
 async def _wait(settings: Settings, expected_rows: int, expected_dlq: int,
                 timeout: float = 180) -> dict[str, Any]:
-    from flywheel.api.status import collect
+    from flywheel.observe.status import collect
 
     deadline = time.monotonic() + timeout
     while True:
