@@ -22,8 +22,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from flywheel.config import DbSettings, KafkaSettings, Settings
 from flywheel.db import migrate
 from flywheel.db.engine import make_engine
-from flywheel.runtime.broker import LocalBroker, free_port
-from flywheel.runtime.postgres import LocalPostgres
+from flywheel.stack.broker import LocalBroker, free_port
+from flywheel.stack.postgres import LocalPostgres
 
 if TYPE_CHECKING:
     from flywheel.policy.base import Policy

@@ -19,9 +19,9 @@ from flywheel.api.operator import operator_lifespan, operator_router
 from flywheel.config import Settings
 from flywheel.db.outbox import append_events
 from flywheel.events import AdapterTrained, AdapterTrainedPayload
-from flywheel.runtime.broker import free_port
 from flywheel.serving.responses_routes import responses_router
 from flywheel.serving.routes import serving_router
+from flywheel.stack.broker import free_port
 from flywheel.web.app import create_app
 
 

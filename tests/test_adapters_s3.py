@@ -29,7 +29,7 @@ from flywheel.adapters.factory import artifact_store
 from flywheel.adapters.local import AdapterStore
 from flywheel.adapters.s3 import S3AdapterStore
 from flywheel.config import ArtifactSettings, Settings, settings_env
-from flywheel.runtime.broker import free_port
+from flywheel.stack.broker import free_port
 
 pytestmark = pytest.mark.s3
 WEIGHTS = "adapter_model.safetensors"

@@ -24,7 +24,7 @@ from flywheel.api.server import build_app
 from flywheel.config import Settings
 from flywheel.events import GateMetrics
 from flywheel.gate.baseline import store_baseline
-from flywheel.runtime.broker import free_port
+from flywheel.stack.broker import free_port
 from tests.test_adapters_lifecycle import evaluate, train, with_mode
 from tests.test_api_metrics import evaluation_id, seed_lifecycle, seed_pipeline
 

@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flywheel.api.server import build_app
 from flywheel.config import ApiSettings, DbSettings, Settings
-from flywheel.runtime.broker import free_port
 from flywheel.runtime.kafka import ensure_topics
+from flywheel.stack.broker import free_port
 
 pytestmark = [pytest.mark.postgres, pytest.mark.kafka]
 

@@ -25,8 +25,8 @@ from flywheel.demo.watch import finished, read_progress
 from flywheel.events import AdapterEvaluated, Event
 from flywheel.gate.power import report
 from flywheel.observe.status import collect
-from flywheel.runtime.broker import free_port
 from flywheel.runtime.kafka import ensure_topics
+from flywheel.stack.broker import free_port
 from flywheel.web.app import create_app
 from tests.helpers import produce
 from tests.test_adapters_lifecycle import evaluate, train, with_mode

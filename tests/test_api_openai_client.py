@@ -25,7 +25,7 @@ import pytest
 from flywheel.config import ApiSettings, DbSettings, RolloutSettings, Settings, TrainerSettings
 from flywheel.db.engine import make_engine
 from flywheel.policy.model_cache import resolve_model_dir
-from flywheel.runtime.postgres import LocalPostgres
+from flywheel.stack.postgres import LocalPostgres
 from tests.serving_helpers import live_api, register_version
 
 openai = pytest.importorskip("openai")

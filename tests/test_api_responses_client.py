@@ -22,8 +22,8 @@ import pytest
 from flywheel.config import ApiSettings, DbSettings, RolloutSettings, Settings
 from flywheel.db.engine import make_engine
 from flywheel.policy.model_cache import resolve_model_dir
-from flywheel.runtime.postgres import LocalPostgres
 from flywheel.serving.responses_store import load, save
+from flywheel.stack.postgres import LocalPostgres
 from tests.serving_helpers import live_api
 
 openai = pytest.importorskip("openai")

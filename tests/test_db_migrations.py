@@ -8,7 +8,7 @@ import asyncpg
 import pytest
 
 from flywheel.db import migrate
-from flywheel.runtime.postgres import LocalPostgres
+from flywheel.stack.postgres import LocalPostgres
 
 pytestmark = [pytest.mark.postgres]
 

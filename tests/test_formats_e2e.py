@@ -36,10 +36,10 @@ from flywheel.config import (
     settings_env,
 )
 from flywheel.observe.status import collect
-from flywheel.runtime.broker import LocalBroker, free_port
 from flywheel.runtime.kafka import ensure_topics
-from flywheel.runtime.postgres import LocalPostgres
 from flywheel.schemas import parse_trajectory
+from flywheel.stack.broker import LocalBroker, free_port
+from flywheel.stack.postgres import LocalPostgres
 from tests.conftest import TEMPLATE_DB, _pg_dsn
 from tests.helpers import scalar, spawn, wait_for
 

@@ -41,9 +41,9 @@ from flywheel.config import (
 )
 from flywheel.ingest.otel import trajectory_id, trajectory_key
 from flywheel.observe.status import collect
-from flywheel.runtime.broker import LocalBroker, free_port
 from flywheel.runtime.kafka import ensure_topics
-from flywheel.runtime.postgres import LocalPostgres
+from flywheel.stack.broker import LocalBroker, free_port
+from flywheel.stack.postgres import LocalPostgres
 from tests.conftest import TEMPLATE_DB, _pg_dsn
 from tests.helpers import scalar, spawn, wait_for
 

@@ -22,8 +22,8 @@ from flywheel.policy.vllm_flags import (
     server_config,
     server_env,
 )
-from flywheel.runtime.broker import free_port
-from flywheel.runtime.vllm import VLLMServer, VLLMStartError, recorded, stop_recorded
+from flywheel.stack.broker import free_port
+from flywheel.stack.vllm_server import VLLMServer, VLLMStartError, recorded, stop_recorded
 
 ROOT = Path(__file__).resolve().parents[1]
 

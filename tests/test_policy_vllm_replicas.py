@@ -21,7 +21,7 @@ import pytest
 
 from flywheel.policy.base import AdapterRef, PolicyError, SamplingParams
 from flywheel.policy.vllm import VLLMPolicy
-from flywheel.runtime.vllm import stop_group
+from flywheel.stack.vllm_server import stop_group
 from tests.vllm_server import (
     REPORT,
     SERVED,

@@ -12,8 +12,8 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 
 from flywheel.config import KafkaSettings, Settings
-from flywheel.runtime.broker import LocalBroker, free_port
 from flywheel.runtime.kafka import ensure_topics
+from flywheel.stack.broker import LocalBroker, free_port
 from producers.confirm import confirm_stored
 from producers.sdk import FlywheelClient
 from tests.test_producers_sdk import consume, trajectory

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from flywheel.config import KafkaSettings, Settings
-from flywheel.runtime.broker import LocalBroker, free_port
+from flywheel.stack.broker import LocalBroker, free_port
 from producers.replay import publish_lines
 from producers.sdk import FlywheelClient
 from tests.poison import POISON

@@ -27,8 +27,8 @@ import httpx
 import pytest
 
 from flywheel.demo.samples import make_trajectory
-from flywheel.runtime.broker import free_port
-from flywheel.runtime.supervise import pid_alive, rss_mb
+from flywheel.stack.broker import free_port
+from flywheel.stack.processes import pid_alive, rss_mb
 from producers.sdk import FlywheelClient
 
 pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow]

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.runtime import postgres
-from flywheel.runtime.broker import free_port
-from flywheel.runtime.postgres import LocalPostgres
+from flywheel.stack import postgres
+from flywheel.stack.broker import free_port
+from flywheel.stack.postgres import LocalPostgres
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 

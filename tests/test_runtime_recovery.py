@@ -14,7 +14,7 @@ from aiokafka import AIOKafkaConsumer
 
 from flywheel.config import Settings
 from flywheel.runtime.kafka import ensure_topics
-from flywheel.runtime.recovery import republish
+from flywheel.stack.recovery import republish
 
 pytestmark = [pytest.mark.postgres, pytest.mark.kafka]
 

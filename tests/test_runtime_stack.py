@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from flywheel.demo.samples import make_trajectory
-from flywheel.runtime.broker import free_port, port_open
+from flywheel.stack.broker import free_port, port_open
 
 pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow]
 

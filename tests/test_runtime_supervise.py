@@ -13,8 +13,6 @@ from typing import Any
 
 import pytest
 
-from flywheel.runtime.drain import DrainReport, progress_line
-from flywheel.runtime.heal import postgres_reason
 from flywheel.runtime.logs import (
     MaskingFormatter,
     mask_secrets,
@@ -23,7 +21,10 @@ from flywheel.runtime.logs import (
     rotate_if_needed,
     rotated_files,
 )
-from flywheel.runtime.recovery import (
+from flywheel.stack.drain import DrainReport, progress_line
+from flywheel.stack.heal import postgres_reason
+from flywheel.stack.processes import Backoff, pid_alive
+from flywheel.stack.recovery import (
     MARGIN_S,
     first_unconsumed,
     loss_report,
@@ -31,7 +32,6 @@ from flywheel.runtime.recovery import (
     record,
     republish_since,
 )
-from flywheel.runtime.supervise import Backoff, pid_alive
 
 GROUPS = [("ingest", "t.traj"), ("miner", "t.traj"), ("rollout", "t.req"),
           ("trainer", "t.groups")]
@@ -201,8 +201,8 @@ def test_a_failed_recovery_on_a_new_broker_is_retried_without_replacing_it(
 
     from aiokafka.errors import UnknownError
 
-    from flywheel.runtime import heal
-    from flywheel.runtime.supervise import Backoff
+    from flywheel.stack import heal
+    from flywheel.stack.processes import Backoff
 
     failures = [UnknownError(), UnknownError()]
     recovered: list[dict[str, Any]] = []

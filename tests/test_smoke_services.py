@@ -3,7 +3,7 @@ import pytest
 
 from flywheel.config import Settings
 from flywheel.runtime.kafka import ensure_topics
-from flywheel.runtime.postgres import LocalPostgres
+from flywheel.stack.postgres import LocalPostgres
 
 
 async def test_services_start_and_database_is_migrated(settings: Settings, pg_dsn: str) -> None:

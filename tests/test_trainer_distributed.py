@@ -9,7 +9,7 @@ import sys
 import torch
 
 from flywheel.config import Settings, TrainerSettings
-from flywheel.runtime.stack import service_argv
+from flywheel.stack.supervisor import service_argv
 from flywheel.trainer.ranks import balance, rank_device
 
 

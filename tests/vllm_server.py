@@ -24,8 +24,8 @@ import httpx
 
 from flywheel.config import RolloutSettings, Settings
 from flywheel.policy.vllm_flags import ServerConfig, server_args, server_config, server_env
-from flywheel.runtime.broker import free_port
-from flywheel.runtime.vllm import VLLMServer
+from flywheel.stack.broker import free_port
+from flywheel.stack.vllm_server import VLLMServer
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVED = "policy-base"

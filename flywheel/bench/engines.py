@@ -84,8 +84,8 @@ def run_engine_bench(groups: int = 6, *, group_size: int = 8, max_tokens: int = 
                      vllm_url: str | None = None, python: Path | None = None,
                      lora: bool = False, gpu: bool = False) -> dict[str, Any]:
     from flywheel.policy.vllm_flags import default_python, server_args, server_config, server_env
-    from flywheel.runtime.broker import free_port
-    from flywheel.runtime.vllm import VLLMServer
+    from flywheel.stack.broker import free_port
+    from flywheel.stack.vllm_server import VLLMServer
 
     settings = Settings(rollout=RolloutSettings(vllm_model="policy-base"))
     # No deadline: on a busy CPU a group may take minutes, and an attempt cut off would not

@@ -31,7 +31,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from flywheel.bench.stack import temp_stack
 from flywheel.config import ApiSettings, Settings, TokenGrant, settings_env
-from flywheel.runtime.broker import free_port
+from flywheel.stack.broker import free_port
 
 TOKEN = "bench-otlp-token-0123456789abcdef"
 SPANS_PER_CONVERSATION = 4

@@ -12,9 +12,9 @@ from typing import Any
 
 from flywheel.config import DbSettings, KafkaSettings, Settings
 from flywheel.db import migrate
-from flywheel.runtime.broker import LocalBroker, free_port
 from flywheel.runtime.kafka import ensure_topics
-from flywheel.runtime.postgres import LocalPostgres
+from flywheel.stack.broker import LocalBroker, free_port
+from flywheel.stack.postgres import LocalPostgres
 
 
 @contextmanager

@@ -56,9 +56,9 @@ def up(detach: Annotated[bool, typer.Option("--detach", "-d",
        ) -> None:
     """Start the broker, Postgres, migrations, the API and every consumer; on a running
     stack, check it and restart what is dead (non-zero exit when that fails)."""
-    from flywheel.runtime.control import StackDegraded
-    from flywheel.runtime.control import detach as detach_stack
-    from flywheel.runtime.stack import Stack
+    from flywheel.stack.control import StackDegraded
+    from flywheel.stack.control import detach as detach_stack
+    from flywheel.stack.supervisor import Stack
 
     settings = _settings()
     local_vllm = settings.rollout.engine == "vllm" and not settings.rollout.vllm_urls
@@ -83,8 +83,8 @@ def up(detach: Annotated[bool, typer.Option("--detach", "-d",
 
 
 def _print_run(run: dict[str, Any], home: Path) -> None:
-    from flywheel.runtime.broker import MEMORY_ONLY_NOTE
     from flywheel.runtime.logs import mask_url
+    from flywheel.stack.broker import MEMORY_ONLY_NOTE
 
     home = Path(run.get("home") or home).resolve()  # what the running supervisor uses
     repaired = run.get("repaired") or []
@@ -117,7 +117,7 @@ def down(
                                                   )] = None,
 ) -> None:
     """Stop intake, drain the consumers and the outbox (bounded), then stop everything."""
-    from flywheel.runtime.control import down as stop_stack
+    from flywheel.stack.control import down as stop_stack
 
     settings = _settings()
     if not console.is_terminal:  # a log or a pipe: one line per change, no spinner
@@ -404,7 +404,7 @@ def bench_rollout(
     engine on the same groups; or (`--in-flight N`) N groups at once vs one at a time."""
     if engine == "vllm":
         from flywheel.bench.engines import run_engine_bench
-        from flywheel.runtime.vllm import VLLMStartError
+        from flywheel.stack.vllm_server import VLLMStartError
 
         try:
             result = run_engine_bench(groups, group_size=group_size, max_tokens=max_tokens,

@@ -20,7 +20,7 @@ from flywheel.config import Settings
 
 if TYPE_CHECKING:
     from flywheel.policy.vllm_flags import ServerConfig
-    from flywheel.runtime.vllm import VLLMServer
+    from flywheel.stack.vllm_server import VLLMServer
 
 vllm_app = typer.Typer(no_args_is_help=True, help="A vLLM server for the configured policy "
                        "(CPU: `make vllm` installs it; see infra/vllm.md).")
@@ -43,7 +43,7 @@ def build_server(settings: Settings, *, python: Path | None = None,
                  ) -> tuple[ServerConfig, VLLMServer]:
     """The server for `settings`' policy (`flywheel vllm serve`, `flywheel up`)."""
     from flywheel.policy.vllm_flags import default_python, server_args, server_config, server_env
-    from flywheel.runtime.vllm import VLLMServer
+    from flywheel.stack.vllm_server import VLLMServer
 
     cfg = server_config(settings, device=device, port=port)
     server = VLLMServer(python or settings.rollout.vllm_python or default_python(),
@@ -72,7 +72,7 @@ def serve(
     startup_timeout: Annotated[float, typer.Option(help="Seconds to wait for /health.")] = 600,
 ) -> None:
     """Start vLLM on 127.0.0.1 for the configured policy and wait until it is healthy."""
-    from flywheel.runtime.vllm import VLLMStartError, recorded
+    from flywheel.stack.vllm_server import VLLMStartError, recorded
 
     settings = _settings()
     record = settings.home / "vllm.json"
@@ -109,7 +109,7 @@ def serve(
 @vllm_app.command("stop")
 def stop() -> None:
     """Stop the server `flywheel vllm serve --detach` started (its whole process group)."""
-    from flywheel.runtime.vllm import stop_recorded
+    from flywheel.stack.vllm_server import stop_recorded
 
     data = stop_recorded(_record_path())
     console.print(f"stopped vLLM at {data['url']}" if data else "no vLLM server running")

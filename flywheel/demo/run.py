@@ -147,8 +147,8 @@ def _demo_settings(base: Settings) -> Settings:
     import os
     import shutil
 
-    from flywheel.runtime.broker import free_port
-    from flywheel.runtime.control import down
+    from flywheel.stack.broker import free_port
+    from flywheel.stack.control import down
 
     home = base.home / "demo"
     old = base.model_copy(update={"home": home})
@@ -233,7 +233,7 @@ def run_demo(settings: Settings, *, keep: bool = False, minutes: float = 20.0,
     """`seed` draws the simulated agents' traffic (and so the tasks and the holdout split);
     None = a new one each run, printed so that a run can be repeated."""
     from flywheel.demo.watch import summary
-    from flywheel.runtime.control import detach, down
+    from flywheel.stack.control import detach, down
 
     t0 = time.monotonic()
     stages: dict[str, float] = {}

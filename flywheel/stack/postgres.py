@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from flywheel.runtime.supervise import pid_alive
+from flywheel.stack.processes import pid_alive
 
 PG_USER = "flywheel-pg"
 DB_NAME = "flywheel"

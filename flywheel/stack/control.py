@@ -25,10 +25,10 @@ from typing import Any
 
 from flywheel.config import Settings
 from flywheel.runtime.endpoints import read_run
-from flywheel.runtime.launch import LAST_STOP, STOP_REQUEST, write_json_private
 from flywheel.runtime.logs import mask_text
-from flywheel.runtime.postgres import LocalPostgres
-from flywheel.runtime.supervise import pid_alive, stop_pid
+from flywheel.stack.launch import LAST_STOP, STOP_REQUEST, write_json_private
+from flywheel.stack.postgres import LocalPostgres
+from flywheel.stack.processes import pid_alive, stop_pid
 
 REPAIR_WAIT_S = 60.0
 
@@ -167,7 +167,7 @@ def _stop_orphans(run: dict[str, Any]) -> None:
     if run.get("broker_pid"):
         stop_pid(int(run["broker_pid"]), 10, signal.SIGINT)
     if run.get("vllm_pid"):
-        from flywheel.runtime.vllm import stop_group
+        from flywheel.stack.vllm_server import stop_group
 
         stop_group(int(run["vllm_pid"]), grace_s=5)  # its own process group
     if run.get("postgres_data"):

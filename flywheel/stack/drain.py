@@ -7,7 +7,7 @@
    have consumed everything and the outbox is empty: those trajectories exist nowhere else.
 4. Then wait up to `stack.drain_recoverable_s` more for the consumers of outbox-fed topics
    (rollout workers, trainer, gate). What they leave is still in the outbox and is
-   republished at the next start (`flywheel.runtime.recovery`), so it is not lost either;
+   republished at the next start (`flywheel.stack.recovery`), so it is not lost either;
    the trainer holds its groups uncommitted until it publishes a version, by design.
 
 SDK clients talk to the broker directly and keep publishing until it stops; they hold what

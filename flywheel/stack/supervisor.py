@@ -38,13 +38,15 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.config import Settings, settings_env
-from flywheel.runtime import recovery
-from flywheel.runtime.broker import MEMORY_ONLY_NOTE, LocalBroker
-from flywheel.runtime.drain import Positions, close_intake, drain, read_positions
 from flywheel.runtime.endpoints import read_run, run_file
-from flywheel.runtime.heal import ensure_topics, start_broker
 from flywheel.runtime.kafka import consumer_groups
-from flywheel.runtime.launch import (
+from flywheel.runtime.logs import rotate_if_needed
+from flywheel.runtime.losses import Losses, arrived, count_loss, loss_view, unstored_total
+from flywheel.stack import recovery
+from flywheel.stack.broker import MEMORY_ONLY_NOTE, LocalBroker
+from flywheel.stack.drain import Positions, close_intake, drain, read_positions
+from flywheel.stack.heal import ensure_topics, start_broker
+from flywheel.stack.launch import (
     LAST_STOP,
     SERVICES,
     STOP_REQUEST,
@@ -54,10 +56,8 @@ from flywheel.runtime.launch import (
     torch_threads,
     write_json_private,
 )
-from flywheel.runtime.logs import rotate_if_needed
-from flywheel.runtime.losses import Losses, arrived, count_loss, loss_view, unstored_total
-from flywheel.runtime.postgres import LocalPostgres
-from flywheel.runtime.supervise import (
+from flywheel.stack.postgres import LocalPostgres
+from flywheel.stack.processes import (
     Backoff,
     Service,
     become_subreaper,
@@ -65,7 +65,7 @@ from flywheel.runtime.supervise import (
     reap_orphans,
     run_sync,
 )
-from flywheel.runtime.vllm import VLLMServer
+from flywheel.stack.vllm_server import VLLMServer
 
 log = logging.getLogger("flywheel.up")
 
@@ -216,7 +216,7 @@ class Stack:
 
     def tick(self) -> None:
         """One round of supervision: heal what died, rotate logs, report."""
-        from flywheel.runtime.heal import heal
+        from flywheel.stack.heal import heal
 
         now = time.monotonic()
         if self._repair:
@@ -404,7 +404,7 @@ class Stack:
 
     def _write(self, *, force: bool = False) -> None:
         """run.json, when something changed (at most once a second unless forced)."""
-        from flywheel.runtime.heal import report
+        from flywheel.stack.heal import report
 
         now = time.monotonic()
         if not force and now - self._last_write < 1.0:

@@ -15,15 +15,15 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from flywheel.runtime import recovery
 from flywheel.runtime.kafka import consumer_groups
-from flywheel.runtime.launch import KAFKA_CONSUMERS
 from flywheel.runtime.logs import mask_text
 from flywheel.runtime.losses import count_loss
-from flywheel.runtime.supervise import rss_mb, run_sync
+from flywheel.stack import recovery
+from flywheel.stack.launch import KAFKA_CONSUMERS
+from flywheel.stack.processes import rss_mb, run_sync
 
 if TYPE_CHECKING:
-    from flywheel.runtime.stack import Stack
+    from flywheel.stack.supervisor import Stack
 
 log = logging.getLogger("flywheel.up")
 
@@ -279,7 +279,7 @@ def components(stack: Stack) -> dict[str, dict[str, Any]]:
 
 def report(stack: Stack) -> dict[str, Any]:
     """run.json: where everything is and how every component is doing."""
-    from flywheel.runtime.broker import MEMORY_ONLY_NOTE
+    from flywheel.stack.broker import MEMORY_ONLY_NOTE
 
     s = stack.settings
     return {
@@ -305,8 +305,8 @@ def report(stack: Stack) -> dict[str, Any]:
 def recycle_broker(stack: Stack, reason: str) -> None:
     """Drain, then replace the broker with a fresh one (the only way to free a memory-only
     broker's memory before `retention.ms`); intake and the scheduler resume afterwards."""
-    from flywheel.runtime.drain import reopen_intake
-    from flywheel.runtime.launch import operate_token
+    from flywheel.stack.drain import reopen_intake
+    from flywheel.stack.launch import operate_token
 
     log.warning("recycling the bundled broker: %s", reason)
     stack.notes.append(f"broker recycled: {reason}")

@@ -3,7 +3,7 @@
 Memory storage only (the wheel's build refuses `sqlite://` and `postgres://` storage):
 topics, records and committed offsets live as long as the process. So a broker that dies
 takes with it whatever no consumer had consumed yet; the supervisor restarts it, recreates
-the topics and republishes from the outbox what it can (`flywheel.runtime.recovery`), and
+the topics and republishes from the outbox what it can (`flywheel.stack.recovery`), and
 `flywheel down` drains before stopping it. Durable state is in Postgres; production uses a
 real Kafka cluster (`FLYWHEEL_KAFKA__BOOTSTRAP`).
 """
@@ -19,7 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
-from flywheel.runtime.supervise import pid_alive, stop_pid
+from flywheel.stack.processes import pid_alive, stop_pid
 
 MEMORY_ONLY_NOTE = (
     "the bundled broker keeps messages in memory only: whatever no consumer has consumed "
