@@ -39,8 +39,8 @@ from flywheel.config import Settings
 from flywheel.db.engine import make_engine
 from flywheel.errors import describe
 from flywheel.events import AdapterTrained, CandidateProposed
-from flywheel.gate.service import GateService
-from flywheel.gate.service import describe as describe_events
+from flywheel.gate.candidate import GateService
+from flywheel.gate.candidate import describe as describe_events
 from flywheel.policy.factory import make_policy
 from flywheel.runtime.consume import (
     RetryPolicy,
@@ -52,7 +52,7 @@ from flywheel.runtime.consume import (
     transiently,
 )
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
-from flywheel.runtime.service import cancel_all, run_faststream
+from flywheel.runtime.entrypoint import cancel_all, run_faststream
 
 log = logging.getLogger("flywheel.gate")
 

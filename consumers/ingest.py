@@ -7,7 +7,7 @@ Publishes (through the outbox): `DeadLettered` → `<prefix>.trajectories.dlq`,
             `TrajectoriesIngested` → `<prefix>.ingest`.
 
 Every message ends as exactly one row or one dead letter: decoding never raises
-(`flywheel.ingest.decode`), and a write Postgres refuses is narrowed down to the record it
+(`flywheel.ingest.wire`), and a write Postgres refuses is narrowed down to the record it
 refuses (`flywheel.runtime.consume.settle`), which becomes a dead letter (`unstorable`)
 while the rest of its batch is stored. Transient failures (Postgres down) are retried with
 backoff, for as long as they last.
@@ -41,7 +41,8 @@ from flywheel.db.engine import make_engine
 from flywheel.db.outbox import append_events
 from flywheel.errors import Failure
 from flywheel.events import Event
-from flywheel.ingest.decode import (
+from flywheel.ingest.store import insert_dead_letters, insert_trajectories
+from flywheel.ingest.wire import (
     Accepted,
     RawRecord,
     Rejected,
@@ -49,7 +50,6 @@ from flywheel.ingest.decode import (
     dead_letter_event,
     ingested_event,
 )
-from flywheel.ingest.store import insert_dead_letters, insert_trajectories
 from flywheel.runtime.consume import (
     RetryPolicy,
     records_of,
@@ -58,7 +58,7 @@ from flywheel.runtime.consume import (
     subscribe_batch,
 )
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
-from flywheel.runtime.service import run_faststream
+from flywheel.runtime.entrypoint import run_faststream
 
 log = logging.getLogger("flywheel.ingest")
 Outcome = Accepted | Rejected

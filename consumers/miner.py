@@ -10,14 +10,14 @@ Writes:     `failures` (classification + evidence, one per failed trajectory),
 Publishes (through the outbox): `TaskCreated` → `<prefix>.tasks`, `FeedbackReceived` →
             `<prefix>.ingest`, `RecordParked` → `<prefix>.parked`.
 
-Invalid trajectories are skipped here: the decision is ingest's own (`flywheel.ingest.decode`,
+Invalid trajectories are skipped here: the decision is ingest's own (`flywheel.ingest.wire`,
 a record without an agent named from its `flywheel-agent` header exactly as ingest names
 it), and ingest dead-letters them. A trajectory with no outcome yet is not mined until
 feedback brings one. A trajectory that cannot be mined is parked as the miner's dead letter
 while the rest of its batch is mined (`flywheel.runtime.consume`); transient failures are
 retried with backoff.
 
-Feedback is decided by its own boundary (`flywheel.ingest.feedback`): a record it refuses is
+Feedback is decided by its own boundary (`flywheel.ingest.feedback_wire`): a record it refuses is
 parked at once as a dead letter of consumer `feedback`, in the transaction that stores the
 rest of its batch. Feedback whose trajectory is not stored yet waits in `feedback`; a sweep
 every `miner.feedback_sweep_s` applies it once ingest has stored the trajectory. Both
@@ -45,10 +45,10 @@ from flywheel.db.engine import make_engine
 from flywheel.errors import Failure, describe, is_transient
 from flywheel.feedback import Feedback
 from flywheel.formats import ParseContext, header_agent
-from flywheel.ingest.decode import decode
-from flywheel.ingest.feedback import decode_feedback
+from flywheel.ingest.feedback_wire import decode_feedback
+from flywheel.ingest.wire import decode
+from flywheel.mining.mine_batch import mine_batch
 from flywheel.mining.outcomes import FeedbackStats, apply_pending, store_feedback
-from flywheel.mining.service import mine_batch
 from flywheel.runtime.consume import (
     Park,
     Process,
@@ -59,8 +59,8 @@ from flywheel.runtime.consume import (
     subscribe_batch,
 )
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
-from flywheel.runtime.service import run_faststream
-from flywheel.schemas import Trajectory
+from flywheel.runtime.entrypoint import run_faststream
+from flywheel.trajectory import Trajectory
 
 log = logging.getLogger("flywheel.miner")
 FEEDBACK_CONSUMER = "feedback"

@@ -41,7 +41,7 @@ from flywheel.errors import Failure, InvalidRecord
 from flywheel.events import AdapterTrained, RolloutRequested
 from flywheel.policy.base import Policy
 from flywheel.policy.factory import make_policy
-from flywheel.rollout.service import Admission, handle_request, mark_failed, worker_name
+from flywheel.rollout.worker import Admission, handle_request, mark_failed, worker_name
 from flywheel.runtime.consume import (
     Park,
     Process,
@@ -53,8 +53,8 @@ from flywheel.runtime.consume import (
     subscribe,
 )
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
+from flywheel.runtime.entrypoint import run_faststream
 from flywheel.runtime.inflight import InFlight
-from flywheel.runtime.service import run_faststream
 from flywheel.validation.scoring import ValidationPass
 
 log = logging.getLogger("flywheel.rollout")

@@ -31,7 +31,7 @@ from flywheel.rollout import store
 from flywheel.rollout.select import pick_tasks
 from flywheel.runtime.consume import RetryPolicy
 from flywheel.runtime.endpoints import resolve_db_url
-from flywheel.runtime.service import pause, run_loop
+from flywheel.runtime.entrypoint import pause, run_loop
 from flywheel.trainer.store import trainer_state
 from flywheel.validation import split as validation_split
 from flywheel.validation import store as validation_store

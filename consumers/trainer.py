@@ -36,8 +36,8 @@ from flywheel.config import Settings
 from flywheel.db.engine import make_engine
 from flywheel.runtime.consume import records_of, subscribe_batch
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
-from flywheel.runtime.service import LOG_FORMAT, cancel_all, run_faststream
-from flywheel.trainer.service import TrainerService
+from flywheel.runtime.entrypoint import LOG_FORMAT, cancel_all, run_faststream
+from flywheel.trainer.learner import TrainerService
 
 if TYPE_CHECKING:
     from flywheel.trainer.ranks import Ranks

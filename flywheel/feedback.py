@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flywheel.formats import chat_to_items
-from flywheel.schemas import Item, OutcomeStatus, keep_unknown_fields
+from flywheel.trajectory import Item, OutcomeStatus, keep_unknown_fields
 
 # Namespace of content-derived feedback ids (uuid5), fixed forever: re-sent feedback without
 # a `feedback_id` gets the same id and is applied once.

@@ -25,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
-from flywheel.runtime.service import pause, run_loop
+from flywheel.runtime.entrypoint import pause, run_loop
 
 log = logging.getLogger("flywheel.relay")
 

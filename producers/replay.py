@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, TextIO
 
 from flywheel.config import Settings
-from flywheel.ingest.decode import load_json
+from flywheel.ingest.wire import load_json
 
 
 async def publish_lines(settings: Settings, lines: TextIO, *, raw: bool = False,
@@ -20,7 +20,7 @@ async def publish_lines(settings: Settings, lines: TextIO, *, raw: bool = False,
     `agent` names the agent of trajectories that name none (`flywheel publish --agent`)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from producers.feedback import FeedbackClient
+    from producers.feedback_client import FeedbackClient
     from producers.sdk import FlywheelClient
 
     errors: list[dict[str, Any]] = []

@@ -2,7 +2,7 @@
 
 Owns: validating and serialising trajectories (key = trajectory_id; v1, Chat Completions
 transcripts and request/response pairs; `agent=` names those that name no agent), batching
-them onto the topic, and the spool under `spool_dir` (feedback: `producers.feedback`).
+them onto the topic, and the spool under `spool_dir` (feedback: `producers.feedback_client`).
 While the broker is unreachable records go to an append-only spool file; a background task
 reconnects every `retry_interval_s`, replays the spool in order, and only then sends from
 memory again. The next client that opens the same
@@ -35,9 +35,9 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_fix
 from flywheel.config import Settings
 from flywheel.errors import is_transient
 from flywheel.formats import ParseContext
-from flywheel.ingest.decode import check_trajectory, validate_record
+from flywheel.ingest.wire import check_trajectory, validate_record
 from flywheel.runtime.endpoints import resolve_bootstrap
-from flywheel.schemas import Trajectory
+from flywheel.trajectory import Trajectory
 from producers.confirm import StoreConfirmer, confirm_stored
 from producers.spool import Record, Spool, encode
 
@@ -70,7 +70,7 @@ def is_retryable(exc: BaseException) -> bool:
 def serialize(trajectory: Trajectory | dict[str, Any], *, agent: str | None = None
               ) -> tuple[Trajectory, bytes]:
     """The trajectory and the exact bytes to publish, judged by ingest's own boundary
-    (`flywheel.ingest.decode`): `ValueError` for anything ingest would dead-letter, whatever
+    (`flywheel.ingest.wire`): `ValueError` for anything ingest would dead-letter, whatever
     the input (a dict of any shape, or a `Trajectory` holding an unstorable value). `agent`
     names the agent of a dict that names none (the publisher's default)."""
     if isinstance(trajectory, Trajectory):

@@ -17,8 +17,8 @@ from flywheel.api.operator import operator_lifespan, operator_router
 from flywheel.config import Settings
 from flywheel.db.outbox import append_events
 from flywheel.events import AdapterTrained, AdapterTrainedPayload, Event
+from flywheel.gate.candidate import decision_payload
 from flywheel.gate.decision import Attempt, EvalRun
-from flywheel.gate.service import decision_payload
 from flywheel.web.app import create_app
 
 pytestmark = [pytest.mark.postgres]

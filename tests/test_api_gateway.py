@@ -16,8 +16,8 @@ from aiokafka import AIOKafkaConsumer
 from flywheel.api.gateway import create_gateway_app
 from flywheel.config import ApiSettings, IngestSettings, KafkaSettings, Settings
 from flywheel.runtime.kafka import ensure_topics
-from flywheel.schemas import Trajectory, content_id
 from flywheel.stack.broker import free_port
+from flywheel.trajectory import Trajectory, content_id
 
 pytestmark = pytest.mark.kafka
 

@@ -191,7 +191,7 @@ def _served_by_responses(base_url: str, tasks: list[TaskSpec], settings: Setting
 
 async def test_production_answers_score_as_the_gate_measured(db_url: str,
                                                              tmp_path: Path) -> None:
-    from flywheel.gate.service import GateService
+    from flywheel.gate.candidate import GateService
     from flywheel.policy.local import LocalPolicy
 
     started = time.perf_counter()

@@ -13,8 +13,8 @@ from flywheel.cli.main import app
 from flywheel.config import Topics
 from flywheel.db.engine import make_engine
 from flywheel.demo.simulate import simulate
-from flywheel.mining.service import mine_batch
-from flywheel.schemas import parse_trajectory
+from flywheel.mining.mine_batch import mine_batch
+from flywheel.trajectory import parse_trajectory
 
 pytestmark = [pytest.mark.postgres]
 runner = CliRunner()

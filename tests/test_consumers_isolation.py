@@ -29,9 +29,9 @@ from flywheel.events import (
     RolloutRequestedPayload,
     ScoredRollout,
 )
-from flywheel.ingest.decode import Accepted, RawRecord, classify_one
+from flywheel.ingest.wire import Accepted, RawRecord, classify_one
 from flywheel.runtime.consume import RetryPolicy, handle
-from flywheel.trainer.service import TrainerService
+from flywheel.trainer.learner import TrainerService
 
 pytestmark = [pytest.mark.postgres]
 FAST = RetryPolicy(initial_s=0.001, max_s=0.01, bug_attempts=3)

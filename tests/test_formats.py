@@ -11,13 +11,18 @@ from pydantic import ValidationError
 
 from flywheel.feedback import parse_feedback
 from flywheel.formats import ParseContext, conversation_id, derive_agent, header_agent
-from flywheel.ingest.decode import RawRecord, classify
+from flywheel.ingest.wire import RawRecord, classify
 from flywheel.mining.build import build_task
 from flywheel.mining.classify import classify_failure, decision_start
 from flywheel.mining.expected import expected_calls, same_episode
-from flywheel.mining.feedback import apply_all, apply_feedback
-from flywheel.schemas import FunctionCallItem, FunctionCallOutputItem, MessageItem, parse_trajectory
+from flywheel.mining.feedback_apply import apply_all, apply_feedback
 from flywheel.tasks import ToolCallSpec
+from flywheel.trajectory import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    MessageItem,
+    parse_trajectory,
+)
 
 TOOLS = [{"type": "function", "function": {
     "name": name, "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}},

@@ -37,9 +37,9 @@ from flywheel.config import (
 )
 from flywheel.observe.status import collect
 from flywheel.runtime.kafka import ensure_topics
-from flywheel.schemas import parse_trajectory
 from flywheel.stack.broker import LocalBroker, free_port
 from flywheel.stack.postgres import LocalPostgres
+from flywheel.trajectory import parse_trajectory
 from tests.conftest import TEMPLATE_DB, _pg_dsn
 from tests.helpers import scalar, spawn, wait_for
 
@@ -242,7 +242,7 @@ def _assert_agents(stored: dict[str, tuple[str, str | None, str]], records: Reco
 
 
 async def test_through_the_sdk(stack: Stack) -> None:
-    from producers.feedback import FeedbackClient
+    from producers.feedback_client import FeedbackClient
     from producers.sdk import FlywheelClient
 
     records = Records.for_path("sdk")

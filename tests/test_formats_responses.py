@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 
 from flywheel.formats import ParseContext
-from flywheel.ingest.decode import validate_record
+from flywheel.ingest.wire import validate_record
 from flywheel.mining.build import Unverifiable, build_task
 from flywheel.mining.classify import classify_failure
 from flywheel.mining.expected import expected_calls
-from flywheel.schemas import Trajectory, parse_trajectory
 from flywheel.tasks import ToolCallSpec
+from flywheel.trajectory import Trajectory, parse_trajectory
 
 TOOLS = [{"type": "function", "name": n, "description": f"{n} of an order", "strict": True,
           "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}},

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from flywheel.schemas import parse_trajectory
+from flywheel.trajectory import parse_trajectory
 from tests.helpers import scalar, wait_for
 from tests.test_formats_e2e import TOKEN, Stack, _counts, _fetchval, stack  # noqa: F401
 

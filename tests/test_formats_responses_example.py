@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from flywheel.config import Settings
-from flywheel.ingest.decode import validate_record
-from flywheel.schemas import Trajectory
+from flywheel.ingest.wire import validate_record
+from flywheel.trajectory import Trajectory
 from tests.serving_helpers import live_api
 from tests.test_api_responses_client import TOKEN, api_settings  # noqa: F401
 

@@ -26,7 +26,7 @@ from flywheel.db.engine import make_engine
 from flywheel.db.outbox import append_events
 from flywheel.demo.samples import TOOLS
 from flywheel.events import AdapterTrained, AdapterTrainedPayload
-from flywheel.gate.service import GateService
+from flywheel.gate.candidate import GateService
 from flywheel.mining.store import freeze_eval_set, store_task
 from flywheel.policy.local import LocalPolicy
 from flywheel.policy.model_cache import resolve_model_dir

@@ -27,7 +27,7 @@ from flywheel.environments.base import AnySpec, Environment, ToolSchemas
 from flywheel.environments.calls import output_calls
 from flywheel.environments.tool_call import ToolCallEnvironment
 from flywheel.events import AdapterTrained, AdapterTrainedPayload, Event
-from flywheel.gate import service as gate_service
+from flywheel.gate import candidate as gate_service
 from flywheel.gate.decision import Attempt, EvalRun
 from flywheel.gate.evaluate import Holdout, task_groups
 from flywheel.mining.store import freeze_eval_set, store_task

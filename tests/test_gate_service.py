@@ -19,7 +19,7 @@ from flywheel.config import Settings
 from flywheel.db.outbox import append_events
 from flywheel.demo.samples import TOOLS
 from flywheel.events import AdapterTrained, AdapterTrainedPayload
-from flywheel.gate import service as gate_service
+from flywheel.gate import candidate as gate_service
 from flywheel.gate.decision import Attempt, EvalRun
 from flywheel.gate.evaluate import Holdout, task_groups
 from flywheel.gate.lifetime import candidate_number, rule_for

@@ -25,7 +25,7 @@ from flywheel.adapters.local import AdapterStore
 from flywheel.config import DbSettings, Settings
 from flywheel.db.outbox import append_events
 from flywheel.events import AdapterTrained, AdapterTrainedPayload
-from flywheel.gate.service import GateService
+from flywheel.gate.candidate import GateService
 from flywheel.mining.store import freeze_eval_set, store_task
 from flywheel.policy.factory import make_policy
 from flywheel.serving.completions import complete

@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from flywheel.ingest import decode as boundary
-from flywheel.ingest.decode import (
+from flywheel.ingest import wire as boundary
+from flywheel.ingest.storable import unstorable
+from flywheel.ingest.wire import (
     Accepted,
     RawRecord,
     Rejected,
@@ -24,8 +25,7 @@ from flywheel.ingest.decode import (
     load_json,
     validate_record,
 )
-from flywheel.ingest.storable import unstorable
-from flywheel.schemas import Trajectory
+from flywheel.trajectory import Trajectory
 from producers.sdk import serialize
 from tests.poison import POISON, Poison
 

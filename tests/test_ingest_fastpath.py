@@ -19,11 +19,10 @@ import msgspec
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from flywheel import schemas
+from flywheel import trajectory as schemas
 from flywheel.demo.samples import bad_payloads, make_trajectory
-from flywheel.ingest import decode as ingest
 from flywheel.ingest import fastpath
-from flywheel.ingest.decode import RawRecord, classify
+from flywheel.ingest import wire as ingest
 from flywheel.ingest.fastpath import (
     MAX_DEPTH,
     MAX_INT_DIGITS,
@@ -31,7 +30,8 @@ from flywheel.ingest.fastpath import (
     cannot_be_canonical,
     fast_decode,
 )
-from flywheel.schemas import Trajectory
+from flywheel.ingest.wire import RawRecord, classify
+from flywheel.trajectory import Trajectory
 
 Path = tuple[str | int, ...]
 RAW = "__raw__"  # a string placeholder, replaced by raw bytes json.dumps cannot produce
@@ -260,7 +260,7 @@ PAIRS: list[tuple[type[BaseModel], type[msgspec.Struct]]] = [
 @pytest.mark.parametrize(("model", "struct"), PAIRS, ids=[m.__name__ for m, _ in PAIRS])
 def test_structs_mirror_the_pydantic_models(model: type[BaseModel],
                                             struct: type[msgspec.Struct]) -> None:
-    """A field added to `schemas.py` must be added here too: msgspec would skip it unchecked."""
+    """A field added to `trajectory.py` must be added here too: msgspec would skip it unchecked."""
     theirs = {name: f.is_required() for name, f in model.model_fields.items()}
     mine = {f.name: f.required for f in msgspec.structs.fields(struct)}
     if struct.__struct_config__.tag_field == "type":

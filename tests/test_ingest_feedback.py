@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 from fastapi import HTTPException
 
-from flywheel.api.feedback import parse_feedback_body
+from flywheel.api.feedback_routes import parse_feedback_body
 from flywheel.feedback import Feedback, parse_feedback
 from flywheel.formats import ParseContext, header_agent
-from flywheel.ingest.decode import RawRecord, Rejected, classify_one, decode
-from flywheel.ingest.feedback import decode_feedback, validate_feedback
-from producers.feedback import serialize_feedback
+from flywheel.ingest.feedback_wire import decode_feedback, validate_feedback
+from flywheel.ingest.wire import RawRecord, Rejected, classify_one, decode
+from producers.feedback_client import serialize_feedback
 from tests.poison import pair
 
 MAX = 1 << 20

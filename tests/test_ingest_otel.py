@@ -15,10 +15,10 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from flywheel.ingest.decode import validate_record
 from flywheel.ingest.otel import OTEL_RECORD, span_problem, trajectory_id, trajectory_key
 from flywheel.ingest.otlp import BadExport, decompress, export_response, read_export
-from flywheel.schemas import Trajectory
+from flywheel.ingest.wire import validate_record
+from flywheel.trajectory import Trajectory
 from tests.otel_agent import converse, provider
 
 

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 from flywheel.api.gateway import create_gateway_app
 from flywheel.config import ApiSettings, IngestSettings, MinerSettings, RetrySettings, Settings
-from flywheel.ingest.decode import Accepted, RawRecord, classify_one
+from flywheel.ingest.wire import Accepted, RawRecord, classify_one
 from flywheel.runtime.kafka import ensure_topics, group_lag
 from tests.helpers import spawn
 from tests.poison import POISON

@@ -12,9 +12,9 @@ from flywheel.config import Topics
 from flywheel.db.engine import make_engine
 from flywheel.demo.simulate import simulate
 from flywheel.mining import store
-from flywheel.mining.service import mine_batch
-from flywheel.schemas import parse_trajectory
+from flywheel.mining.mine_batch import mine_batch
 from flywheel.tasks import FAILURE_MODES
+from flywheel.trajectory import parse_trajectory
 
 pytestmark = [pytest.mark.postgres]
 

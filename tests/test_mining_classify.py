@@ -10,8 +10,8 @@ import pytest
 
 from flywheel.mining.build import Unverifiable, build_task, expected_calls, fingerprint
 from flywheel.mining.classify import classify_failure
-from flywheel.schemas import Trajectory, parse_trajectory
 from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
+from flywheel.trajectory import Trajectory, parse_trajectory
 
 TOOLS = [
     {"type": "function", "name": "get_weather", "parameters": {

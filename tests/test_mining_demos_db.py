@@ -13,14 +13,14 @@ from flywheel.config import Topics
 from flywheel.db.engine import make_engine
 from flywheel.demo.simulate import simulate
 from flywheel.ingest import store as repo
-from flywheel.ingest.decode import RawRecord, classify
+from flywheel.ingest.wire import RawRecord, classify
 from flywheel.mining import store
 from flywheel.mining.build import build_task, expected_calls, split_of
 from flywheel.mining.classify import classify_failure
 from flywheel.mining.demos import load_demonstrations, read_candidates, success_demonstration
-from flywheel.mining.service import mine_batch
-from flywheel.schemas import Trajectory, parse_trajectory
+from flywheel.mining.mine_batch import mine_batch
 from flywheel.tasks import TaskSpec
+from flywheel.trajectory import Trajectory, parse_trajectory
 from tests.test_trainer_sft import SYSTEM, corrected, record
 
 pytestmark = [pytest.mark.postgres]

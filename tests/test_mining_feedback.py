@@ -12,13 +12,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flywheel.config import Topics
 from flywheel.feedback import parse_feedback
-from flywheel.ingest.decode import RawRecord, classify
 from flywheel.ingest.store import insert_trajectories
+from flywheel.ingest.wire import RawRecord, classify
 from flywheel.mining import outcomes
+from flywheel.mining.mine_batch import mine_batch
 from flywheel.mining.outcomes import apply_pending, store_feedback
-from flywheel.mining.service import mine_batch
 from flywheel.observe.status import counts
-from flywheel.schemas import parse_trajectory
+from flywheel.trajectory import parse_trajectory
 from tests.helpers import scalar
 from tests.test_formats import SECOND, SYSTEM, USER, call, pair
 

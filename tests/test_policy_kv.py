@@ -7,8 +7,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from flywheel.policy.decode import share_blocker  # noqa: E402
 from flywheel.policy.kv import kv_cache, left_padded  # noqa: E402
+from flywheel.policy.sampling import share_blocker  # noqa: E402
 
 
 def kv(length: int, fill: float, layers: int = 2) -> list[torch.Tensor]:

@@ -15,8 +15,8 @@ from aiokafka import errors as kafka_errors
 
 from flywheel.config import KafkaSettings, Settings
 from flywheel.runtime.kafka import ensure_topics
-from flywheel.schemas import parse_trajectory
 from flywheel.stack.broker import LocalBroker, free_port
+from flywheel.trajectory import parse_trajectory
 from producers.sdk import FlywheelClient
 
 pytestmark = [pytest.mark.kafka]

@@ -18,9 +18,9 @@ from flywheel.feedback import Feedback, parse_feedback
 from flywheel.mining.build import Unverifiable, build_task
 from flywheel.mining.classify import classify_failure
 from flywheel.mining.expected import expected_calls
-from flywheel.mining.feedback import apply_feedback
-from flywheel.schemas import Trajectory, parse_trajectory
+from flywheel.mining.feedback_apply import apply_feedback
 from flywheel.tasks import ToolCallSpec
+from flywheel.trajectory import Trajectory, parse_trajectory
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 _BLOCK = re.compile(r"^```json\n(.*?)^```", re.DOTALL | re.MULTILINE)

@@ -11,11 +11,11 @@ import pytest
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
 from flywheel.demo.simulate import simulate
-from flywheel.mining.service import mine_batch
+from flywheel.mining.mine_batch import mine_batch
 from flywheel.policy.model_cache import resolve_model_dir
 from flywheel.rollout.store import request_rollouts
 from flywheel.runtime.kafka import ensure_topics
-from flywheel.schemas import parse_trajectory
+from flywheel.trajectory import parse_trajectory
 from tests.helpers import scalar, spawn
 
 pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow]

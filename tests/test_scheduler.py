@@ -12,9 +12,9 @@ from consumers.scheduler import schedule_once
 from flywheel.config import RolloutSettings, Settings
 from flywheel.db.engine import make_engine
 from flywheel.demo.simulate import simulate
-from flywheel.mining.service import mine_batch
+from flywheel.mining.mine_batch import mine_batch
 from flywheel.mining.store import freeze_eval_set
-from flywheel.schemas import parse_trajectory
+from flywheel.trajectory import parse_trajectory
 
 pytestmark = [pytest.mark.postgres]
 

@@ -11,8 +11,8 @@ from pydantic import ValidationError
 
 from flywheel.demo.samples import make_trajectory
 from flywheel.events import DeadLettered, DeadLetterPayload, parse_event
-from flywheel.ingest.decode import decode
-from flywheel.schemas import (
+from flywheel.ingest.wire import decode
+from flywheel.trajectory import (
     FunctionCallItem,
     FunctionCallOutputItem,
     MessageItem,

@@ -11,10 +11,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flywheel.adapters import lifecycle
 from flywheel.events import AdapterTrained, AdapterTrainedPayload
-from flywheel.ingest.decode import validate_record
-from flywheel.schemas import Trajectory
+from flywheel.ingest.wire import validate_record
 from flywheel.serving.completions import model_cards
 from flywheel.serving.request import ChatRequest
+from flywheel.trajectory import Trajectory
 
 ACCEPTED = ["math.factorial", "civil_cases.retrieve", "github:create_issue", "get-order",
             "a" * 128, "mcp.server:tool_1"]

@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from flywheel.adapters.local import AdapterStore
 from flywheel.config import RolloutSettings, Settings, TrainerSettings
 from flywheel.policy import vllm
-from flywheel.trainer.service import TrainerService
+from flywheel.trainer.learner import TrainerService
 
 pytestmark = [pytest.mark.postgres]
 

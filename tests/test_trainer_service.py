@@ -18,7 +18,7 @@ from flywheel.demo.samples import TOOLS
 from flywheel.events import GroupScored, GroupScoredPayload, ScoredRollout
 from flywheel.mining.store import store_task
 from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
-from flywheel.trainer.service import TrainerService
+from flywheel.trainer.learner import TrainerService
 
 pytestmark = [pytest.mark.postgres]
 

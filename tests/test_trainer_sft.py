@@ -26,7 +26,6 @@ from flywheel.mining.demos import (
     success_demonstration,
     success_task,
 )
-from flywheel.schemas import Trajectory, parse_trajectory
 from flywheel.tasks import TaskSpec
 from flywheel.trainer.sft import (
     IGNORE,
@@ -36,6 +35,7 @@ from flywheel.trainer.sft import (
     encode_demonstration,
     sft_step,
 )
+from flywheel.trajectory import Trajectory, parse_trajectory
 
 SYSTEM = "You are a support bot. Use the tools."
 WEATHER = {"city": "Paris", "unit": "c"}

@@ -23,8 +23,8 @@ from flywheel.environments import load_environment
 from flywheel.mining.demos import success_demonstration, success_task
 from flywheel.policy.base import AdapterRef
 from flywheel.rollout.loop import GroupConfig, run_group
-from flywheel.schemas import Trajectory
 from flywheel.tasks import TaskSpec
+from flywheel.trajectory import Trajectory
 from tests.test_trainer_sft import record
 
 torch = pytest.importorskip("torch")

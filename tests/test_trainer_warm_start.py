@@ -14,7 +14,7 @@ from flywheel.demo.simulate import simulate
 from flywheel.events import GateMetrics
 from flywheel.gate.baseline import store_baseline
 from flywheel.policy.model_cache import resolve_model_dir
-from flywheel.trainer.service import TrainerService
+from flywheel.trainer.learner import TrainerService
 from tests.test_mining_demos_db import _ingest_and_mine
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]

@@ -232,7 +232,7 @@ async def test_rising_validation_proposes_the_best_version_and_the_gate_records_
         sel = (await conn.execute(text("SELECT selection FROM candidate_selections"))).scalar()
     assert json.loads(json.dumps(sel))["considered"] == [2, 3]
     # The gate takes the proposal up, samples only the holdout, and says how it was chosen.
-    from flywheel.gate import service as gate_service
+    from flywheel.gate import candidate as gate_service
     from flywheel.mining.store import freeze_eval_set
 
     async with engine.begin() as conn:
@@ -274,7 +274,7 @@ async def test_the_trainer_refuses_a_group_of_a_validation_task(
     from aiokafka import TopicPartition
 
     from flywheel.events import GroupScoredPayload
-    from flywheel.trainer.service import TrainerService, _Pending
+    from flywheel.trainer.learner import TrainerService, _Pending
 
     s = _settings(settings)
     await _pool(engine, s)

@@ -34,9 +34,9 @@ from pydantic import BaseModel
 from flywheel.api.intake import intake_of, intake_router
 from flywheel.config import Settings
 from flywheel.formats import ParseContext
-from flywheel.ingest.decode import load_json, sniff, validate_record
+from flywheel.ingest.wire import load_json, sniff, validate_record
 from flywheel.runtime.endpoints import resolve_bootstrap
-from flywheel.schemas import Trajectory
+from flywheel.trajectory import Trajectory
 from flywheel.web.app import create_app, settings_of
 from flywheel.web.auth import Principal, require_scope
 from flywheel.web.health import add_probe
@@ -102,7 +102,7 @@ def prepare(body: bytes, *, max_payload_bytes: int,
             context: ParseContext | None = None) -> list[Prepared]:
     """Decode and validate a request body; all records are good, or `Rejection` is raised.
 
-    Each record is judged by ingest's own boundary (`flywheel.ingest.decode`), so a record
+    Each record is judged by ingest's own boundary (`flywheel.ingest.wire`), so a record
     is refused here exactly when, with the same reason and words, it would be dead-lettered
     if sent to Kafka directly. `context` names the agent of records that name none (the
     token's agent).
@@ -300,7 +300,7 @@ def gateway_router() -> APIRouter:
 
 def create_gateway_app(settings: Settings) -> FastAPI:
     """An API app serving only the gateway, its feedback routes and intake (plus `/healthz`)."""
-    from flywheel.api.feedback import feedback_router
+    from flywheel.api.feedback_routes import feedback_router
 
     return create_app(settings, routers=[gateway_router(), feedback_router(), intake_router()],
                       lifespan_hooks=[gateway_lifespan])

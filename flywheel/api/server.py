@@ -14,7 +14,7 @@ from flywheel.config import Settings
 def build_app(settings: Settings) -> FastAPI:
     """The API as `flywheel up` serves it (tests build the same app)."""
     from flywheel.api.dashboard import dashboard_router
-    from flywheel.api.feedback import feedback_router
+    from flywheel.api.feedback_routes import feedback_router
     from flywheel.api.gateway import gateway_lifespan, gateway_router
     from flywheel.api.intake import intake_router
     from flywheel.api.metrics import metrics_router

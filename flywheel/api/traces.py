@@ -33,7 +33,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from flywheel.api.gateway import publish_or_503, read_body
 from flywheel.api.intake import intake_of
 from flywheel.formats import ParseContext
-from flywheel.ingest.decode import validate_record
 from flywheel.ingest.otel import (
     OTEL_RECORD,
     conversation_of,
@@ -42,6 +41,7 @@ from flywheel.ingest.otel import (
     trajectory_key,
 )
 from flywheel.ingest.otlp import BadExport, decompress, export_response, read_export
+from flywheel.ingest.wire import validate_record
 from flywheel.web.app import settings_of
 from flywheel.web.auth import Principal, require_scope
 

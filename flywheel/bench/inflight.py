@@ -105,7 +105,7 @@ async def _groups(policy: Policy, tasks: list[TaskSpec], settings: Settings,
                   inflight: int) -> dict[str, Any]:
     from flywheel.environments import load_environment
     from flywheel.rollout.loop import run_group
-    from flywheel.rollout.service import group_config
+    from flywheel.rollout.worker import group_config
 
     cfg, env = group_config(settings), load_environment("tool_call")
     slots = asyncio.Semaphore(inflight)

@@ -26,7 +26,7 @@ from aiokafka import AIOKafkaProducer
 from flywheel.bench.stack import temp_stack
 from flywheel.config import Settings, settings_env
 from flywheel.demo.samples import make_trajectory
-from flywheel.schemas import Trajectory, parse_trajectory
+from flywheel.trajectory import Trajectory, parse_trajectory
 
 NAIVE_SAMPLE = 2_000
 

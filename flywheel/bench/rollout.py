@@ -30,11 +30,11 @@ from flywheel.config import RolloutSettings, Settings, Topics, settings_env
 from flywheel.db.engine import make_engine
 from flywheel.demo.simulate import simulate
 from flywheel.environments.prompt import task_messages, task_tools
-from flywheel.mining.service import mine_batch
+from flywheel.mining.mine_batch import mine_batch
 from flywheel.policy.base import Completion, Policy, SamplingParams
 from flywheel.rollout.store import request_rollouts
-from flywheel.schemas import parse_trajectory
 from flywheel.tasks import TaskSpec
+from flywheel.trajectory import parse_trajectory
 
 
 async def _tasks(db_url: str, n: int) -> list[TaskSpec]:

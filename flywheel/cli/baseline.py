@@ -12,8 +12,8 @@ def baseline(as_json: JsonOpt = False) -> None:
     """Evaluate the base model (and production) on the frozen holdout; record the baseline
     and recommend the next stage (SFT first, GRPO, or more tasks). Loads the policy engine."""
     from flywheel.db.engine import make_engine
+    from flywheel.gate.candidate import GateService
     from flywheel.gate.evaluate import NoEvalSet
-    from flywheel.gate.service import GateService
     from flywheel.policy.factory import make_policy
     from flywheel.runtime.endpoints import StackNotRunning, resolve_db_url
 

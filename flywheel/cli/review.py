@@ -338,7 +338,7 @@ def adapters_evaluate(version: int, as_json: JsonOpt = False) -> None:
 
     from flywheel.adapters.lifecycle import LifecycleError
     from flywheel.db.engine import make_engine
-    from flywheel.gate.service import GateService
+    from flywheel.gate.candidate import GateService
     from flywheel.policy.factory import make_policy
     from flywheel.runtime.endpoints import resolve_db_url
 

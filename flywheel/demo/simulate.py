@@ -235,7 +235,7 @@ def simulate(n: int, *, agents: int = 3, failure_rate: float = 0.3, seed: int = 
 def _to_chat(rec: dict[str, Any]) -> dict[str, Any]:
     """The same trajectory as a Chat Completions transcript (what many agents log)."""
     from flywheel.mining.build import to_messages
-    from flywheel.schemas import parse_trajectory
+    from flywheel.trajectory import parse_trajectory
 
     t = parse_trajectory(rec)
     out = {k: v for k, v in rec.items() if k != "items"}

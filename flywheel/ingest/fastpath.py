@@ -1,11 +1,11 @@
 """The ingest fast path: wire format v1 bytes → the trajectory row, without pydantic.
 
 Owns `RowData` (what the `trajectories` table stores besides the record itself) and
-`fast_decode`, a msgspec mirror of `flywheel.schemas` that accepts a strict SUBSET of what
+`fast_decode`, a msgspec mirror of `flywheel.trajectory` that accepts a strict SUBSET of what
 `Trajectory.model_validate_json` accepts and yields the same row values. Anything it is not
 sure about returns None and takes the pydantic path, which owns the readable errors, chat
 transcripts, derived ids and unknown top-level fields. `tests/test_ingest_fastpath.py` checks the
-subset and equal-values properties differentially; change both files with `schemas.py`.
+subset and equal-values properties differentially; change both files with `trajectory.py`.
 
 Where msgspec alone would differ from pydantic, this module is stricter:
 * numbers: msgspec never coerces ("5" or 5.0 for an int, "1.5" for a float): pydantic
@@ -26,7 +26,7 @@ from typing import Annotated, Literal
 import msgspec
 from pydantic import TypeAdapter, ValidationError
 
-from flywheel.schemas import (
+from flywheel.trajectory import (
     AWAITING_OUTCOME,
     PG_BIGINT_MAX,
     TOOL_NAME_PATTERN,

@@ -14,7 +14,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from flywheel.events import storable_text
-from flywheel.ingest.decode import Accepted, Rejected
+from flywheel.ingest.wire import Accepted, Rejected
 
 _INSERT_TRAJECTORIES = text("""
 INSERT INTO trajectories (trajectory_id, agent, session_id, status, is_failure, model,

@@ -24,12 +24,6 @@ from flywheel.environments.calls import Call
 from flywheel.environments.scoring import verify_calls
 from flywheel.mining.classify import Classification, decision_start
 from flywheel.mining.expected import Expected, call_turns, expected_actions, expected_calls
-from flywheel.schemas import (
-    FunctionCallItem,
-    FunctionCallOutputItem,
-    MessageItem,
-    Trajectory,
-)
 from flywheel.tasks import (
     CodeSpec,
     FailureMode,
@@ -38,6 +32,12 @@ from flywheel.tasks import (
     ToolCallSpec,
     VerifierSpec,
     WorkplaceSpec,
+)
+from flywheel.trajectory import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    MessageItem,
+    Trajectory,
 )
 
 __all__ = ["Unverifiable", "build_task", "expected_calls", "fingerprint", "new_task",

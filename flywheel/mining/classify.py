@@ -21,14 +21,14 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
 from flywheel.environments.matching import arguments_match
-from flywheel.schemas import (
+from flywheel.tasks import ExpectedCall, FailureMode
+from flywheel.trajectory import (
     FunctionCallItem,
     FunctionCallOutputItem,
     MessageItem,
     Tool,
     Trajectory,
 )
-from flywheel.tasks import ExpectedCall, FailureMode
 
 
 @dataclass(frozen=True)

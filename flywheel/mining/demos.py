@@ -43,13 +43,13 @@ from flywheel.mining.build import (
 )
 from flywheel.mining.classify import parse_arguments
 from flywheel.mining.verify import assistant_message
-from flywheel.schemas import (
+from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
+from flywheel.trajectory import (
     FunctionCallItem,
     FunctionCallOutputItem,
     Trajectory,
     parse_trajectory,
 )
-from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
 
 Request = tuple[str, str]
 """(session_id, request_key): one request of one session, however often it was retried."""

@@ -25,8 +25,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from flywheel.mining.classify import parse_arguments
-from flywheel.schemas import FunctionCallItem, MessageItem, Trajectory
 from flywheel.tasks import ExpectedCall
+from flywheel.trajectory import FunctionCallItem, MessageItem, Trajectory
 
 
 @dataclass(frozen=True)

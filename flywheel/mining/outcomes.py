@@ -37,9 +37,9 @@ from flywheel.events import (
 from flywheel.feedback import Feedback
 from flywheel.mining.classify import Labeller
 from flywheel.mining.expected import feedback_calls
-from flywheel.mining.feedback import apply_feedback
-from flywheel.mining.service import MineStats, lock_trajectory, remine
-from flywheel.schemas import Trajectory, parse_trajectory
+from flywheel.mining.feedback_apply import apply_feedback
+from flywheel.mining.mine_batch import MineStats, lock_trajectory, remine
+from flywheel.trajectory import Trajectory, parse_trajectory
 
 log = logging.getLogger("flywheel.miner")
 

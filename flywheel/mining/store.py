@@ -25,8 +25,8 @@ from flywheel.events import (
 )
 from flywheel.mining.build import Unverifiable
 from flywheel.mining.classify import Classification
-from flywheel.schemas import Trajectory
 from flywheel.tasks import TaskSpec
+from flywheel.trajectory import Trajectory
 
 
 async def record_success(conn: AsyncConnection, t: Trajectory, key: str, *,

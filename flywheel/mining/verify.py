@@ -17,7 +17,6 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from flywheel.environments import load_environment, profile_rewards
 from flywheel.mining.expected import call_groups
-from flywheel.schemas import FunctionCallItem, MessageItem, Trajectory
 from flywheel.tasks import (
     CodeSpec,
     RolloutNotRun,
@@ -26,6 +25,7 @@ from flywheel.tasks import (
     VerifierResult,
     WorkplaceSpec,
 )
+from flywheel.trajectory import FunctionCallItem, MessageItem, Trajectory
 
 
 def score(task: TaskSpec, output: Any) -> VerifierResult | RolloutNotRun:

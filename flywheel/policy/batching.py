@@ -7,7 +7,7 @@ with the oldest one — the same adapter (a batch runs under one set of weights)
 decoding rules (temperature, top-p, token limit, stop strings) — so a round of thirty tasks
 becomes a few batched forwards instead of thirty. The oldest request always goes next, so
 another adapter's requests wait at most one job. Each request keeps its own seed: the engine
-draws its rows from its own generator (`flywheel.policy.decode.sample_rows`), so what it
+draws its rows from its own generator (`flywheel.policy.sampling.sample_rows`), so what it
 samples does not depend on what it shared a batch with.
 
 Pure asyncio; no torch.

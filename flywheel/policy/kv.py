@@ -2,7 +2,7 @@
 
 A prompt's keys/values depend only on its own tokens (causal attention), so one forward of
 the prompt serves every completion of it: the trainer (`flywheel.trainer.prefix`) and the
-local engine (`flywheel.policy.decode`) both build their per-row caches from one prompt pass
+local engine (`flywheel.policy.sampling`) both build their per-row caches from one prompt pass
 with `kv_cache`, and cut a cached prompt at any position to continue a longer one that starts
 the same way. Only full-attention decoders (Llama, SmolLM2): a sliding-window layer would need
 its window applied across the cut (`unshareable` says so).

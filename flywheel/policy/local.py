@@ -11,7 +11,7 @@ its text ends exactly at the stop. Prompts are rendered by the policy's chat for
 (`chat_format`), the one every engine, SFT and serving use.
 
 Each distinct prompt of a call runs once and its rows sample from copies of its keys/values
-(`flywheel.policy.decode`); the shared start of prompts (system prompt, tools, earlier turns)
+(`flywheel.policy.sampling`); the shared start of prompts (system prompt, tools, earlier turns)
 is kept across calls in a prefix cache per adapter (`flywheel.policy.prefix_cache`), dropped
 with the adapter. Calls that arrive while the engine is busy run together (`batching`): the
 rows of every waiting request of one adapter and decoding rule go through one batched forward
@@ -50,7 +50,9 @@ from flywheel.policy.base import AdapterRef, Completion, PolicyError, SamplingPa
 from flywheel.policy.batching import Batcher, Job, Results
 from flywheel.policy.chat_format import ChatFormat, load_chat_format
 from flywheel.policy.cores import CoreShare, run_shared
-from flywheel.policy.decode import (
+from flywheel.policy.logprobs import sequence_logprobs, token_logprobs
+from flywheel.policy.prefix_cache import PrefixCache
+from flywheel.policy.sampling import (
     PromptKV,
     Seen,
     Unit,
@@ -58,8 +60,6 @@ from flywheel.policy.decode import (
     sample_rows,
     share_blocker,
 )
-from flywheel.policy.logprobs import sequence_logprobs, token_logprobs
-from flywheel.policy.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

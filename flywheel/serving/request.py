@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from flywheel.schemas import TOOL_NAME_PATTERN
+from flywheel.trajectory import TOOL_NAME_PATTERN
 
 MAX_N = 16
 """Most choices one request may ask for (each is a full generation on the serving engine)."""

@@ -1,6 +1,6 @@
 """The decoding boundary for feedback (pure, no I/O): payloads → `Feedback`, or why not.
 
-The same boundary as trajectories (`flywheel.ingest.decode`): the gateway, `FeedbackClient`,
+The same boundary as trajectories (`flywheel.ingest.wire`): the gateway, `FeedbackClient`,
 `flywheel publish --feedback` and the miner's feedback subscriber all decide with it, and it
 never raises on input. Storability (NUL, lone surrogates, NaN/Infinity, nesting) is checked
 on the decoded value; any other exception while validating is the record's rejection,
@@ -15,8 +15,8 @@ import uuid
 from typing import Any
 
 from flywheel.feedback import Feedback, parse_feedback
-from flywheel.ingest.decode import Rejection, load_json, parse_guarded, sniff
 from flywheel.ingest.storable import unstorable
+from flywheel.ingest.wire import Rejection, load_json, parse_guarded, sniff
 
 log = logging.getLogger("flywheel.ingest")
 

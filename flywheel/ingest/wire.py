@@ -5,7 +5,7 @@ gateway, the SDK and `flywheel publish` (`validate_record`, `check_trajectory`).
 here raises on input: any failure to decode or validate one record is that record's
 rejection with a readable reason, so no record can take its batch with it. Value ranges
 Postgres cannot store (`flywheel.ingest.storable`, timestamps and integers in
-`flywheel.schemas`) are schema errors here, never database errors later.
+`flywheel.trajectory`) are schema errors here, never database errors later.
 
 Accepts the v1 format, Chat Completions transcripts, request/response pairs and OTel span
 groups (`flywheel.ingest.otel`) on the same topic; a record without an agent is named from
@@ -51,7 +51,7 @@ from flywheel.ingest.fastpath import (
 )
 from flywheel.ingest.otel import is_otel, spans_to_record
 from flywheel.ingest.storable import TOO_DEEP, text_problem, unstorable
-from flywheel.schemas import Trajectory, parse_trajectory
+from flywheel.trajectory import Trajectory, parse_trajectory
 
 log = logging.getLogger("flywheel.ingest")
 T = TypeVar("T")

@@ -18,7 +18,7 @@ from typing import Any
 
 from flywheel.config import Settings
 from flywheel.feedback import Feedback
-from flywheel.ingest.feedback import check_feedback, validate_feedback
+from flywheel.ingest.feedback_wire import check_feedback, validate_feedback
 from flywheel.runtime.endpoints import resolve_bootstrap
 from producers.confirm import confirm_stored
 from producers.sdk import FlywheelClient, checked_json
@@ -66,7 +66,7 @@ class FeedbackClient:
 
     async def log(self, feedback: Feedback | dict[str, Any]) -> uuid.UUID:
         """Validate and enqueue one feedback; returns its id. Raises ValueError for anything
-        the miner would park (the same decision: `flywheel.ingest.feedback`)."""
+        the miner would park (the same decision: `flywheel.ingest.feedback_wire`)."""
         fb, value = serialize_feedback(feedback)
         await self._client.log_raw(value, key=fb.target.encode())
         return fb.feedback_id

@@ -22,8 +22,8 @@ from pydantic import BaseModel
 
 from flywheel.api.gateway import publish_or_503, read_body
 from flywheel.feedback import Feedback
-from flywheel.ingest.decode import load_json, sniff
-from flywheel.ingest.feedback import validate_feedback
+from flywheel.ingest.feedback_wire import validate_feedback
+from flywheel.ingest.wire import load_json, sniff
 from flywheel.web.app import settings_of
 from flywheel.web.auth import Principal, require_scope
 
@@ -54,7 +54,7 @@ def parse_feedback_body(body: bytes, *, ref: str | None) -> list[Feedback]:
     """All records of a body as `Feedback`, or HTTPException 400/422 saying what is wrong.
 
     Each record is judged by the feedback boundary the miner decides with
-    (`flywheel.ingest.feedback`): refused here exactly when, with the same words, the miner
+    (`flywheel.ingest.feedback_wire`): refused here exactly when, with the same words, the miner
     would park it if it were sent to Kafka directly."""
     plain, doc = sniff(body)  # a plain body holds only plain records: no walk needed
     if not plain:

@@ -21,7 +21,7 @@ from typing import Any
 from flywheel.feedback import Feedback
 from flywheel.mining.classify import decision_start, parse_arguments
 from flywheel.mining.expected import feedback_calls
-from flywheel.schemas import FunctionCallItem, Trajectory
+from flywheel.trajectory import FunctionCallItem, Trajectory
 
 _RATED = {"up": "success", "down": "failure"}
 

@@ -26,7 +26,7 @@ from flywheel.mining import store
 from flywheel.mining.build import Unverifiable, build_task, expected_calls, request_key
 from flywheel.mining.classify import Labeller, classify_failure
 from flywheel.mining.expected import same_episode
-from flywheel.schemas import Trajectory
+from flywheel.trajectory import Trajectory
 
 Claim = Literal["claim", "upgrade", "refresh"]
 
