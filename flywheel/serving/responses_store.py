@@ -9,15 +9,23 @@ index range delete on the primary key, so it stays cheap).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+ISSUED_ID = re.compile(r"resp_[0-9a-f]{32}")
+"""The ids `POST /v1/responses` hands out; no other string is looked up (a NUL byte or a
+megabyte of text would otherwise reach Postgres)."""
+
 
 async def load(engine: AsyncEngine, response_id: str
                ) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
-    """(conversation, response object) of a stored answer, None when it is not kept."""
+    """(conversation, response object) of a stored answer, None when it is not kept (an id
+    not of the shape this server hands out, `resp_` + 32 hex digits, never was)."""
+    if ISSUED_ID.fullmatch(response_id) is None:
+        return None
     async with engine.connect() as conn:
         row = (await conn.execute(text(
             "SELECT conversation, body FROM served_responses WHERE response_id = :id"),
