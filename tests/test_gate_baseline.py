@@ -36,3 +36,15 @@ def test_valid_but_never_right_means_more_tasks() -> None:
 def test_already_solved_and_nothing_scored() -> None:
     assert recommend(m(0.95, 0.0), G)[0] == "none"
     assert recommend(m(0.0, 0.0, samples=0), G)[0] == "more_tasks"
+
+
+def test_empty_and_cut_replies_count_as_not_following_the_format() -> None:
+    """Every attempt counts: a base model that answers nothing on 30 of 100 attempts and
+    garbles 25 more does not follow the format (55% > 50%), though only 25% are unparseable."""
+    base = m(0.0, 0.25).model_copy(update={"failure_modes": {
+        "invalid_format": 25, "empty": 20, "truncated": 10, "wrong_tool": 45}})
+    stage, reason = recommend(base, G)
+    assert stage == "sft" and "55%" in reason and "empty" in reason
+    # The same attempts with the 30 answered (wrongly, in format): the format is followed.
+    fine = base.model_copy(update={"failure_modes": {"invalid_format": 25, "wrong_tool": 75}})
+    assert recommend(fine, G)[0] == "more_tasks"

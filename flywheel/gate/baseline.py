@@ -23,16 +23,32 @@ from flywheel.events import GateMetrics
 Stage = Literal["sft", "grpo", "more_tasks", "none"]
 
 
+FORMAT_FAILURES = ("invalid_format", "empty", "truncated")
+"""What not following the required format looks like: an unparseable reply, no reply at all,
+or one cut by max_tokens before it closed. Since every attempt counts, an empty reply is a
+scored failure rather than left out, so the rule counts it here, as it counted once as missing."""
+
+
+def format_failure_rate(m: GateMetrics) -> float:
+    """Share of the attempts that did not follow the format (`FORMAT_FAILURES`); records
+    without failure-mode counts fall back to their invalid rate."""
+    if not m.failure_modes or m.samples == 0:
+        return m.invalid_rate
+    return sum(m.failure_modes.get(f, 0) for f in FORMAT_FAILURES) / m.samples
+
+
 def recommend(base: GateMetrics, g: GateSettings) -> tuple[Stage, str]:
     """The next stage for a policy whose base model scored `base` on the holdout."""
     if base.samples == 0:
         return "more_tasks", ("no holdout attempt could be scored: add verifiable tasks "
                               "(check `flywheel tasks ls --split holdout`)")
-    if base.invalid_rate > g.baseline_invalid_threshold:
-        return "sft", (f"{base.invalid_rate:.0%} of the base model's outputs are invalid "
-                       f"(above {g.baseline_invalid_threshold:.0%}): teach the format with SFT "
+    off_format = format_failure_rate(base)
+    if off_format > g.baseline_invalid_threshold:
+        return "sft", (f"{off_format:.0%} of the base model's attempts do not follow the "
+                       "format (unparseable, empty or cut by max_tokens; above "
+                       f"{g.baseline_invalid_threshold:.0%}): teach the format with SFT "
                        "on successful trajectories before GRPO")
-    valid = 1.0 - base.invalid_rate
+    valid = 1.0 - off_format
     success_on_valid = base.success_rate / valid if valid > 0 else 0.0
     if success_on_valid <= g.baseline_success_low:
         return "more_tasks", (f"the base model almost never succeeds even when its output is "
