@@ -55,7 +55,7 @@ def _call(city: str) -> str:
 
 
 async def _sample(policy: Any, holdout: Holdout, adapter: AdapterRef | None,
-                  settings: Settings, round_: int = 0) -> EvalRun:
+                  settings: Settings, round_: int = 0, on_task: Any = None) -> EvalRun:
     """Each attempt succeeds with its version's rate; the reply says what it did."""
     version = adapter.version if adapter else None
     s = settings.gate.round_samples

@@ -185,7 +185,7 @@ class Unreachable(Sampler):
     """The engine cannot run the candidate's attempts at one task (after the retries)."""
 
     async def __call__(self, policy: Any, holdout: Holdout, adapter: AdapterRef | None,
-                       settings: Settings, round_: int = 0) -> EvalRun:
+                       settings: Settings, round_: int = 0, on_task: Any = None) -> EvalRun:
         run = await super().__call__(policy, holdout, adapter, settings, round_)
         if adapter is None:
             return run

@@ -54,7 +54,7 @@ class Script:
         self.solved, self.calls = solved, []  # type: ignore[var-annotated]
 
     async def __call__(self, policy: Any, holdout: Holdout, adapter: AdapterRef | None,
-                       settings: Settings, round_: int = 0) -> EvalRun:
+                       settings: Settings, round_: int = 0, on_task: Any = None) -> EvalRun:
         version = adapter.version if adapter else None
         self.calls.append(version)
         tasks = sorted(holdout.tasks, key=lambda t: str(t.task_id))
@@ -240,7 +240,7 @@ async def test_rising_validation_proposes_the_best_version_and_the_gate_records_
     holdout_seen: list[set[str]] = []
 
     async def gate_sample(policy: Any, holdout: Holdout, adapter: AdapterRef | None,
-                          settings: Settings, round_: int = 0) -> EvalRun:
+                          settings: Settings, round_: int = 0, on_task: Any = None) -> EvalRun:
         holdout_seen.append({str(t.task_id) for t in holdout.tasks})
         return await Script({None: 1, 3: 5})(policy, holdout, adapter, settings, round_)
 
