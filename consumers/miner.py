@@ -19,8 +19,9 @@ retried with backoff.
 
 Feedback is decided by its own boundary (`flywheel.ingest.feedback_wire`): a record it refuses is
 parked at once as a dead letter of consumer `feedback`, in the transaction that stores the
-rest of its batch. Feedback whose trajectory is not stored yet waits in `feedback`; a sweep
-every `miner.feedback_sweep_s` applies it once ingest has stored the trajectory. Both
+rest of its batch (`flywheel.mining.outcomes.take_feedback`). Feedback whose trajectory is
+not stored yet waits in `feedback`; a sweep every `miner.feedback_sweep_s` applies it once
+ingest has stored the trajectory. Both
 subscribers commit offsets explicitly (MANUAL), only after their batch's transaction
 committed; redelivery is a no-op (keyed on trajectory_id and feedback_id).
 """
