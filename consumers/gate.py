@@ -37,8 +37,8 @@ from faststream.kafka.annotations import KafkaMessage
 
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
-from flywheel.errors import describe
 from flywheel.events import AdapterTrained, CandidateProposed
+from flywheel.gate.baseline import measure_when_ready
 from flywheel.gate.candidate import GateService
 from flywheel.gate.candidate import describe as describe_events
 from flywheel.policy.factory import make_policy
@@ -49,7 +49,6 @@ from flywheel.runtime.consume import (
     read_event,
     records_of,
     subscribe,
-    transiently,
 )
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
 from flywheel.runtime.entrypoint import cancel_all, run_faststream
@@ -87,21 +86,10 @@ def build_app(settings: Settings) -> FastStream:
     app = FastStream(broker, logger=log)
     tasks: list[asyncio.Task[None]] = []
 
-    async def baseline_when_ready() -> None:
-        """Baseline first: once an eval set is frozen, measure the base model on it. There
-        is no message to park here: a bug is logged with its traceback and retried slowly."""
-        while True:
-            try:
-                await transiently(gate.baseline, retry, what="baseline", logger=log)
-                return
-            except Exception as err:
-                log.error("baseline failed (%s); retrying in %.0fs", describe(err),
-                          retry.max_s, exc_info=err)
-                await asyncio.sleep(retry.max_s)
-
     @app.on_startup
     async def _baseline() -> None:
-        tasks.append(asyncio.create_task(baseline_when_ready()))
+        # Baseline first: once an eval set is frozen, measure the base model on it.
+        tasks.append(asyncio.create_task(measure_when_ready(gate.baseline, retry, logger=log)))
 
     @app.after_shutdown
     async def _close() -> None:

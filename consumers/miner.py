@@ -19,8 +19,9 @@ retried with backoff.
 
 Feedback is decided by its own boundary (`flywheel.ingest.feedback_wire`): a record it refuses is
 parked at once as a dead letter of consumer `feedback`, in the transaction that stores the
-rest of its batch. Feedback whose trajectory is not stored yet waits in `feedback`; a sweep
-every `miner.feedback_sweep_s` applies it once ingest has stored the trajectory. Both
+rest of its batch (`flywheel.mining.outcomes.take_feedback`). Feedback whose trajectory is
+not stored yet waits in `feedback`; a sweep every `miner.feedback_sweep_s` applies it once
+ingest has stored the trajectory. Both
 subscribers commit offsets explicitly (MANUAL), only after their batch's transaction
 committed; redelivery is a no-op (keyed on trajectory_id and feedback_id).
 """
@@ -48,7 +49,7 @@ from flywheel.formats import ParseContext, header_agent
 from flywheel.ingest.feedback_wire import decode_feedback
 from flywheel.ingest.wire import decode
 from flywheel.mining.mine_batch import mine_batch
-from flywheel.mining.outcomes import FeedbackStats, apply_pending, store_feedback
+from flywheel.mining.outcomes import FeedbackStats, apply_pending, take_feedback
 from flywheel.runtime.consume import (
     Park,
     Process,
@@ -100,8 +101,8 @@ def miner_handlers(settings: Settings, engine: AsyncEngine) -> tuple[Process, Pa
 
 
 def feedback_handlers(settings: Settings, engine: AsyncEngine) -> tuple[Process, Park]:
-    """The feedback subscriber's work on a batch (store it, park what the boundary refuses,
-    apply what meets its trajectory, all in one transaction), and how it parks one record
+    """The feedback subscriber's work on a batch (decoded by its boundary, then the
+    transaction `flywheel.mining.outcomes.take_feedback`), and how it parks one record
     whose processing keeps failing."""
     cfg = settings.miner
     topics = settings.topics
@@ -118,15 +119,12 @@ def feedback_handlers(settings: Settings, engine: AsyncEngine) -> tuple[Process,
                 refused.append(deadletters.Parked(
                     FEEDBACK_CONSUMER, r.topic, r.partition, r.offset, r.key, r.value or b"",
                     Failure("permanent", f"{result[0]}: {result[1]}")))
-        async with engine.begin() as conn:
-            new = await store_feedback(conn, good)
-            parked = await deadletters.park(conn, refused, topics)
-            stats = await apply_pending(conn, topics=topics, only=new,
-                                        holdout_fraction=cfg.holdout_fraction)
-        if parked:
-            log.warning("parked %d of %d feedback messages the boundary refused", parked,
-                        len(records))
-        _log_feedback(stats, len(new), parked)
+        taken = await take_feedback(engine, good, refused, topics=topics,
+                                    holdout_fraction=cfg.holdout_fraction)
+        if taken.parked:
+            log.warning("parked %d of %d feedback messages the boundary refused",
+                        taken.parked, len(records))
+        _log_feedback(taken.stats, taken.stored, taken.parked)
 
     return apply, parker(engine, FEEDBACK_CONSUMER, topics)
 

@@ -18,7 +18,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 import consumers.miner
 import consumers.rollout
-from consumers.ingest import store
 from consumers.miner import feedback_handlers, miner_handlers
 from consumers.rollout import rollout_handlers
 from flywheel.config import Settings
@@ -30,6 +29,7 @@ from flywheel.events import (
     ScoredRollout,
 )
 from flywheel.ingest.wire import Accepted, RawRecord, classify_one
+from flywheel.ingest.writer import store
 from flywheel.runtime.consume import RetryPolicy, handle
 from flywheel.trainer.learner import TrainerService
 

@@ -30,7 +30,8 @@ from flywheel.errors import (
 )
 from flywheel.gate.evaluate import NoEvalSet
 from flywheel.policy.base import PolicyError
-from flywheel.runtime.consume import RetryPolicy, commit, handle, settle
+from flywheel.runtime.commits import commit
+from flywheel.runtime.consume import RetryPolicy, handle, settle
 
 FAST = RetryPolicy(initial_s=0.001, max_s=0.004, bug_attempts=3)
 

@@ -10,8 +10,9 @@ from typing import Any
 from aiokafka import ConsumerRecord, TopicPartition
 
 from flywheel.errors import Failure
+from flywheel.runtime.commits import OrderedOffsets
 from flywheel.runtime.consume import RetryPolicy
-from flywheel.runtime.inflight import InFlight, OrderedOffsets
+from flywheel.runtime.inflight import InFlight
 
 TP = TopicPartition("requests", 0)
 

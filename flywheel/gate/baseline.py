@@ -5,20 +5,28 @@ The seeds' rule, applied to the base model's holdout run: if its outputs are mos
 if it succeeds sometimes but not reliably, GRPO has signal; if it almost never succeeds even
 when its output is valid, RL has nothing to reinforce — it needs more or easier tasks.
 The record lands in `baselines` (shown by `flywheel status`, the dashboard and the demo) and
-the trainer reads it before the first training of a policy.
+the trainer reads it before the first training of a policy. The gate service measures it
+at startup, as soon as an eval set is frozen (`measure_when_ready`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from flywheel.config import GateSettings
+from flywheel.errors import describe
 from flywheel.events import GateMetrics
+from flywheel.runtime.consume import RetryPolicy, transiently
+
+log = logging.getLogger("flywheel.gate")
 
 Stage = Literal["sft", "grpo", "more_tasks", "none"]
 
@@ -78,3 +86,19 @@ async def store_baseline(conn: AsyncConnection, policy: str, eval_set_version: i
         {"id": baseline_id, "p": policy, "e": eval_set_version, "r": json.dumps(record),
          "s": stage})
     return {"baseline_id": str(baseline_id), **record}
+
+
+async def measure_when_ready(measure: Callable[[], Awaitable[object]], retry: RetryPolicy, *,
+                             logger: logging.Logger = log) -> None:
+    """The gate's baseline trigger, run once at startup: `measure` (the gate's `baseline`)
+    until it has run. Waiting for an eval set and outages are transient, retried with
+    backoff; there is no message to park here, so a bug is logged with its traceback and
+    retried slowly."""
+    while True:
+        try:
+            await transiently(measure, retry, what="baseline", logger=logger)
+            return
+        except Exception as err:
+            logger.error("baseline failed (%s); retrying in %.0fs", describe(err),
+                         retry.max_s, exc_info=err)
+            await asyncio.sleep(retry.max_s)

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from flywheel.config import Topics
+from flywheel.db import deadletters
 from flywheel.db.outbox import append_events
 from flywheel.errors import describe, failure_of, is_transient
 from flywheel.events import (
@@ -168,3 +169,26 @@ async def apply_pending(conn: AsyncConnection, *, topics: Topics, holdout_fracti
                                        "ids": [f.feedback_id for f in feedback]})
             stats.parked += len(feedback)
     return stats
+
+
+@dataclass(frozen=True, slots=True)
+class FeedbackTaken:
+    """What one batch of feedback did: stored, refused (parked), and applied."""
+
+    stored: int
+    parked: int
+    stats: FeedbackStats
+
+
+async def take_feedback(engine: AsyncEngine, good: Sequence[Feedback],
+                        refused: Sequence[deadletters.Parked], *, topics: Topics,
+                        holdout_fraction: float) -> FeedbackTaken:
+    """The miner's feedback transaction: store a batch's feedback, park what its boundary
+    refused, and apply the new feedback that meets its trajectory, all or nothing (a
+    redelivered batch is a no-op: keyed on feedback_id and the dead letter's position)."""
+    async with engine.begin() as conn:
+        new = await store_feedback(conn, good)
+        parked = await deadletters.park(conn, refused, topics)
+        stats = await apply_pending(conn, topics=topics, only=new,
+                                    holdout_fraction=holdout_fraction)
+    return FeedbackTaken(len(new), parked, stats)

@@ -2,7 +2,8 @@
 commits, and the failure policy that ends every message processed or parked.
 
 Offsets. Every subscriber is `AckPolicy.MANUAL` and commits exactly the records it settled,
-after their effects (rows, or dead letters) are durable. Read against FastStream 0.7's code:
+after their effects (rows, or dead letters) are durable (`flywheel.runtime.commits`, the
+one commit helper every consumer uses). Read against FastStream 0.7's code:
 with MANUAL an exception escaping a handler commits nothing and seeks nowhere, so the next
 batch's commit would move past the failed one (how ingest lost whole batches); with
 `NACK_ON_ERROR` a batch is acked by `consumer.commit()` (every assigned partition's position)
@@ -35,6 +36,7 @@ from flywheel.config import RetrySettings, Settings, Topics
 from flywheel.db import deadletters
 from flywheel.errors import Failure, InvalidRecord, describe, failure_of, is_transient
 from flywheel.events import Event, parse_event
+from flywheel.runtime.commits import commit
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaConsumer, ConsumerRecord
@@ -103,21 +105,6 @@ def read_event(record: ConsumerRecord[bytes, bytes]) -> Event:
 
 def label(record: ConsumerRecord[Any, Any]) -> str:
     return f"{record.topic}[{record.partition}]@{record.offset}"
-
-
-async def commit(consumer: AIOKafkaConsumer, records: Sequence[ConsumerRecord[Any, Any]]
-                 ) -> None:
-    """Commit just past these records, per partition (their effects are durable)."""
-    offsets: dict[TopicPartition, int] = {}
-    for r in records:
-        tp = TopicPartition(r.topic, r.partition)
-        offsets[tp] = max(offsets.get(tp, 0), r.offset + 1)
-    if not offsets:
-        return
-    try:
-        await consumer.commit(offsets)
-    except KafkaError as err:  # partitions moved in a rebalance: the new owner redoes them,
-        log.warning("offset commit skipped (%s); redelivery is a no-op", err)  # idempotently
 
 
 def rewind(consumer: AIOKafkaConsumer, records: Sequence[ConsumerRecord[Any, Any]]) -> None:

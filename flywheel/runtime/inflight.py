@@ -5,7 +5,7 @@ cannot settle its record before returning: it hands the record to `InFlight` and
 and FastStream delivers the next one. `InFlight.submit` waits while N are in flight, settles
 each record as `flywheel.runtime.consume.handle` does (processed or parked, transient failures
 retried), and commits a partition's offset only up to its earliest record still in flight
-(`OrderedOffsets`): a crash never skips a record that was not recorded, it redelivers the
+(`flywheel.runtime.commits`): a crash never skips a record that was not recorded, it redelivers the
 unfinished ones (idempotent for the rollout worker: a recorded group is not sampled again).
 """
 
@@ -16,47 +16,14 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from aiokafka import TopicPartition
-from aiokafka.errors import KafkaError
-
 from flywheel.errors import describe
+from flywheel.runtime.commits import OrderedCommits
 from flywheel.runtime.consume import Park, Process, RetryPolicy, label, rewind, settle
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaConsumer, ConsumerRecord
 
 log = logging.getLogger("flywheel.consume")
-
-
-class OrderedOffsets:
-    """Per partition, the offsets in flight and how far a commit may go."""
-
-    def __init__(self) -> None:
-        self._open: dict[TopicPartition, set[int]] = {}
-        self._highest: dict[TopicPartition, int] = {}
-        self._committed: dict[TopicPartition, int] = {}
-
-    def start(self, tp: TopicPartition, offset: int) -> None:
-        self._open.setdefault(tp, set()).add(offset)
-
-    def finish(self, tp: TopicPartition, offset: int) -> int | None:
-        """`offset` is settled: the position to commit now (just past every settled record
-        before the earliest one still open), or None when that did not move."""
-        open_ = self._open.setdefault(tp, set())
-        open_.discard(offset)
-        self._highest[tp] = max(self._highest.get(tp, -1), offset)
-        position = min(open_) if open_ else self._highest[tp] + 1
-        if position <= self._committed.get(tp, -1):
-            return None
-        self._committed[tp] = position
-        return position
-
-    def in_flight(self) -> int:
-        return sum(len(v) for v in self._open.values())
-
-
-def _tp(record: ConsumerRecord[bytes, bytes]) -> TopicPartition:
-    return TopicPartition(record.topic, record.partition)
 
 
 class InFlight:
@@ -66,15 +33,14 @@ class InFlight:
                  logger: logging.Logger = log) -> None:
         self.process, self.park, self.policy, self.log = process, park, policy, logger
         self._slots = asyncio.Semaphore(limit)
-        self.offsets = OrderedOffsets()
+        self.commits = OrderedCommits(logger=logger)
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def submit(self, records: Sequence[ConsumerRecord[bytes, bytes]],
                      consumer: AIOKafkaConsumer) -> None:
         """Start settling `records` once a slot is free; returns without waiting for them."""
         await self._slots.acquire()
-        for r in records:
-            self.offsets.start(_tp(r), r.offset)
+        self.commits.open(records)
         task = asyncio.create_task(self._settle(list(records), consumer))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -94,16 +60,7 @@ class InFlight:
             return
         finally:
             self._slots.release()
-        positions: dict[TopicPartition, int] = {}
-        for r in records:
-            position = self.offsets.finish(_tp(r), r.offset)
-            if position is not None:
-                positions[_tp(r)] = position
-        if positions:
-            try:
-                await consumer.commit(positions)
-            except KafkaError as err:  # partitions moved in a rebalance: the new owner
-                self.log.warning("offset commit skipped (%s); redelivery is a no-op", err)
+        await self.commits.settled(consumer, records)
 
     async def close(self) -> None:
         """Stop every submission still running (they are redelivered: never committed)."""

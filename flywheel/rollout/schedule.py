@@ -1,0 +1,70 @@
+"""Rollout scheduling: keep rollout workers supplied with the most useful tasks, within budget.
+
+The admission budget: outstanding requests plus the untrained backlog stay within
+max_staleness × B groups, so sampling never runs further ahead of training than that. The
+pick itself is `flywheel.rollout.select`. What other roles say about sampling comes in as
+`Holds`, read in the same transaction under the scheduler's lock (rollout imports neither
+the trainer nor the validation pass; `consumers.scheduler` binds them): the validation
+split is topped up before picking (tasks never sampled for training), nothing is requested
+while the trainer's warm start is under way (those groups would come from a policy about to
+be replaced), nor while the validation pass reports overfitting (until the miner adds tasks).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from flywheel.adapters import registry
+from flywheel.config import Settings
+from flywheel.rollout import store
+from flywheel.rollout.select import pick_tasks
+
+log = logging.getLogger("flywheel.scheduler")
+Check = Callable[[AsyncConnection], Awaitable[bool]]
+
+
+@dataclass(frozen=True, slots=True)
+class Holds:
+    """Other roles' say on sampling, each read inside the scheduler's transaction."""
+
+    set_aside: Callable[[AsyncConnection], Awaitable[int]]
+    """Top up the validation split first (even while nothing is requested: the SFT warm
+    start must not learn from a task validation will judge it on); returns how many."""
+    warm_starting: Check
+    """With no adapter version yet: is the trainer's first stage still being settled?"""
+    paused: Check
+    """Is sampling paused for overfitting (more tasks, not more steps)?"""
+
+
+async def schedule_once(engine: AsyncEngine, settings: Settings, rng: random.Random,
+                        holds: Holds) -> int:
+    """Issue as many requests as the admission budget allows; returns how many."""
+    cfg = settings.rollout
+    budget = cfg.max_staleness * cfg.train_batch_groups
+    async with engine.begin() as conn:
+        await store.lock_scheduler(conn)
+        # A request unanswered for long (its message lost with a memory-only broker, or a
+        # worker that keeps failing) must not hold budget or its task forever.
+        expired = await store.expire_requests(conn, older_than_s=3 * cfg.rollout_timeout_s)
+        if expired:
+            log.warning("expired %d unanswered rollout requests", expired)
+        added = await holds.set_aside(conn)
+        if added:
+            log.info("set aside %d more tasks for validation", added)
+        room = budget - await store.backlog(conn) - await store.outstanding(conn)
+        if room <= 0:
+            return 0
+        version = await registry.newest_version(conn, settings.policy)
+        if version is None and await holds.warm_starting(conn):
+            return 0
+        if await holds.paused(conn):
+            return 0  # overfitting: more tasks, not more steps (docs/VALIDATION.md)
+        picked = pick_tasks(await store.candidate_stats(conn, cfg.envs), room, rng,
+                            explore_share=cfg.explore_share, min_attempts=cfg.group_size)
+        await store.request_rollouts(conn, picked, version, settings.topics)
+    return len(picked)
