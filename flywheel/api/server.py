@@ -15,10 +15,11 @@ def build_app(settings: Settings) -> FastAPI:
     """The API as `flywheel up` serves it (tests build the same app)."""
     from flywheel.api.dashboard import dashboard_router
     from flywheel.api.feedback_routes import feedback_router
-    from flywheel.api.gateway import gateway_lifespan, gateway_router
+    from flywheel.api.gateway import gateway_router
     from flywheel.api.intake import intake_router
     from flywheel.api.metrics import metrics_router
     from flywheel.api.operator import operator_lifespan, operator_router
+    from flywheel.api.publishing import gateway_lifespan
     from flywheel.api.traces import traces_router
     from flywheel.serving.responses_routes import responses_router
     from flywheel.serving.routes import serving_router
