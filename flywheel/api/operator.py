@@ -26,6 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flywheel.adapters import lifecycle, queries
 from flywheel.db.engine import make_engine
+from flywheel.errors import unavailable
 from flywheel.observe.status import (
     dependency_report,
     describe_error,
@@ -37,7 +38,7 @@ from flywheel.runtime.endpoints import resolve_db_url
 from flywheel.serving.sync import ServingSync
 from flywheel.web.app import settings_of
 from flywheel.web.auth import Principal, require_scope
-from flywheel.web.guards import StorableText, existing_version, storable_or_422, unavailable
+from flywheel.web.guards import StorableText, existing_version, storable_or_422
 from flywheel.web.health import add_probe
 
 STATUS_DB_TIMEOUT_S = 5.0
