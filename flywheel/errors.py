@@ -126,6 +126,39 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+_DOWN_TYPES = frozenset({
+    "sqlalchemy.OperationalError", "sqlalchemy.InterfaceError",
+    "asyncpg.PostgresConnectionError", "asyncpg.InterfaceError",
+    "asyncpg.CannotConnectNowError", "asyncpg.TooManyConnectionsError",
+})
+_DOWN_SQLSTATES = ("08", "57P01", "57P02", "57P03", "53300")
+"""Connection exceptions, admin/crash shutdown, cannot connect now, too many connections."""
+
+
+def unavailable(exc: BaseException) -> str | None:
+    """Which dependency an exception says is down ('postgres'), or None for anything else
+    (a bug, bad input: those stay 4xx/500 in the API, and are shown, not hidden, by
+    `flywheel status`). Follows the cause chain and the driver's `orig`: SQLAlchemy wraps
+    the driver's errors."""
+    todo: list[BaseException] = [exc]
+    for _ in range(_CHAIN_LIMIT):
+        if not todo:
+            return None
+        seen = todo.pop(0)
+        names = _names(seen)
+        invalidated = getattr(seen, "connection_invalidated", False)
+        if names & _DOWN_TYPES or ("sqlalchemy.DBAPIError" in names and invalidated):
+            return "postgres"
+        state = getattr(seen, "sqlstate", None)
+        if isinstance(state, str) and state.startswith(_DOWN_SQLSTATES):
+            return "postgres"
+        if isinstance(seen, ConnectionError | TimeoutError):
+            return "postgres"  # raw socket errors come from the pool (asyncpg connecting)
+        todo += [e for e in (getattr(seen, "orig", None), seen.__cause__)
+                 if isinstance(e, BaseException)]
+    return None
+
+
 Kind = Literal["permanent", "bug"]
 
 
@@ -167,4 +200,4 @@ def describe(exc: BaseException) -> str:
 
 
 __all__ = ["Failure", "FlywheelError", "InvalidRecord", "PermanentError", "TransientError",
-           "describe", "failure_of", "is_transient", "where"]
+           "describe", "failure_of", "is_transient", "unavailable", "where"]

@@ -19,6 +19,7 @@ from flywheel.api.operator import operator_lifespan, operator_router
 from flywheel.config import Settings
 from flywheel.db.outbox import append_events
 from flywheel.events import AdapterTrained, AdapterTrainedPayload
+from flywheel.serving.lifespan import serving_lifespan
 from flywheel.serving.responses_routes import responses_router
 from flywheel.serving.routes import serving_router
 from flywheel.stack.broker import free_port
@@ -32,7 +33,7 @@ def live_api(settings: Settings, timeout_s: float = 60) -> Iterator[str]:
     uvicorn on 127.0.0.1, in a thread; yields the base URL."""
     app = create_app(settings, routers=[operator_router(), serving_router(),
                                         responses_router()],
-                     lifespan_hooks=[operator_lifespan])
+                     lifespan_hooks=[operator_lifespan, serving_lifespan])
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning", lifespan="on"))

@@ -12,8 +12,9 @@ from fastapi import APIRouter, Request
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from flywheel.config import ApiSettings, Settings
+from flywheel.errors import unavailable
 from flywheel.web.app import create_app
-from flywheel.web.guards import INT32_MAX, existing_version, unavailable
+from flywheel.web.guards import INT32_MAX, existing_version
 from flywheel.web.health import add_probe
 
 LIMIT = 1000

@@ -215,12 +215,12 @@ def test_malformed_requests_get_openai_errors(client: Any) -> None:
 async def test_the_store_keeps_only_the_newest(db_url: str) -> None:
     engine = make_engine(db_url)
     try:
-        for n in range(5):
-            await save(engine, f"resp_{n}", [{"role": "user", "content": str(n)}],
-                       {"id": f"resp_{n}"}, keep=2)
-        kept = [n for n in range(5) if await load(engine, f"resp_{n}") is not None]
+        ids = [f"resp_{n:032x}" for n in range(5)]  # the shape the server hands out
+        for n, rid in enumerate(ids):
+            await save(engine, rid, [{"role": "user", "content": str(n)}], {"id": rid}, keep=2)
+        kept = [n for n, rid in enumerate(ids) if await load(engine, rid) is not None]
         assert kept == [3, 4]
-        assert await load(engine, "resp_4") == ([{"role": "user", "content": "4"}],
-                                                {"id": "resp_4"})
+        assert await load(engine, ids[4]) == ([{"role": "user", "content": "4"}],
+                                              {"id": ids[4]})
     finally:
         await engine.dispose()

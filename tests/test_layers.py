@@ -55,13 +55,9 @@ each must be used by the tree, so an allowance cannot outlive the edge it was ma
 FORBIDDEN = {("rollout", "trainer"), ("trainer", "gate"), ("gate", "trainer"),
              ("trainer", "rollout"), ("rollout", "gate")}
 """Role edges refused whatever the layers say."""
-CIRCLES_INSIDE_ALLOWED: set[frozenset[str]] = {
-    # TEMPORARY, issue 23: cut by the moves still to come (the gateway/feedback split of the
-    # intake; the supervisor's own package with heal as an object the `Stack` holds). The
-    # unused-allowance rule fails once a circle is gone: then delete its line here.
-    frozenset({"flywheel.api.feedback_routes", "flywheel.api.gateway"}),
-    frozenset({"flywheel.stack.heal", "flywheel.stack.supervisor"}),
-}
+CIRCLES_INSIDE_ALLOWED: set[frozenset[str]] = set()
+# None today. A circle that must stay names the exact set of its modules here, with why; the
+# unused-allowance rule fails once it is gone.
 """Circles between the modules of one package, each the exact set of modules in it."""
 
 

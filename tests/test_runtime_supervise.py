@@ -31,6 +31,7 @@ from flywheel.stack.recovery import (
     mark_clean,
     record,
     republish_since,
+    save_state,
 )
 
 GROUPS = [("ingest", "t.traj"), ("miner", "t.traj"), ("rollout", "t.req"),
@@ -173,6 +174,9 @@ class _Broker:
     def __init__(self) -> None:
         self.starts = 0
 
+    def adopt(self, pid: int, started_at: float | None) -> bool:
+        return True
+
     def alive(self) -> bool:
         return True
 
@@ -190,46 +194,46 @@ class _Consumer:
     def start(self, env: dict[str, str], now: float) -> None:
         self.held, self.started = False, self.started + 1
 
+    def alive(self) -> bool:
+        return self.started > 0
+
 
 def test_a_failed_recovery_on_a_new_broker_is_retried_without_replacing_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A freshly started broker may answer UNKNOWN_SERVER_ERROR while its topics are made
     (tansu did, in CI): the recovery is retried on later ticks against the same broker, and
     the consumers start once it succeeded."""
-    import threading
-    import types
-
     from aiokafka.errors import UnknownError
 
-    from flywheel.stack import heal
-    from flywheel.stack.processes import Backoff
+    from flywheel.config import Settings
+    from flywheel.stack.heal import Healer
 
     failures = [UnknownError(), UnknownError()]
     recovered: list[dict[str, Any]] = []
 
-    def recover_lost(stack: Any, lost: dict[str, Any]) -> None:
+    def recover_lost(lost: dict[str, Any]) -> None:
         if failures:
             raise failures.pop(0)
         recovered.append(lost)
 
-    monkeypatch.setattr(heal, "recover_lost", recover_lost)
-    monkeypatch.setattr(heal, "_hold_consumers", lambda stack: None)
     ingest = _Consumer("ingest")
-    stack = types.SimpleNamespace(
-        broker=_Broker(), broker_backoff=Backoff(), broker_state={"broker_pid": 1,
-                                                                   "started_at": 5.0},
-        _lock=threading.Lock(), home=tmp_path, services=[ingest], env={},
-        pending_recovery=None, recovery_retry_at=0.0, recovery_attempts=0, broker_error=None)
+    healer = Healer(Settings(home=tmp_path), [ingest], [])  # type: ignore[list-item]
+    monkeypatch.setattr(healer, "recover_lost", recover_lost)
+    monkeypatch.setattr(healer, "hold_consumers", lambda: None)
+    broker = _Broker()
+    healer.broker = broker  # type: ignore[assignment]
+    save_state(tmp_path, {"broker_pid": 1, "started_at": 5.0})
+    healer.start_broker({"broker_pid": 1})  # adopts it, with what it held
 
-    heal.replace_broker(stack, 100.0, drained=False)  # type: ignore[arg-type]
-    assert stack.pending_recovery is not None and ingest.started == 0
-    assert "UnknownError" in stack.broker_error
-    heal._broker(stack, stack.recovery_retry_at - 0.1)  # type: ignore[arg-type]
+    healer.replace_broker(100.0, drained=False)
+    assert healer.pending_recovery is not None and ingest.started == 0
+    assert healer.broker_error is not None and "UnknownError" in healer.broker_error
+    healer.heal(healer.recovery_retry_at - 0.1, ready=False)
     assert len(failures) == 1  # not due yet: not retried
-    heal._broker(stack, stack.recovery_retry_at)  # type: ignore[arg-type]
-    assert len(failures) == 0 and stack.pending_recovery is not None
-    heal._broker(stack, stack.recovery_retry_at)  # type: ignore[arg-type]
-    assert stack.pending_recovery is None and stack.broker_error is None
+    healer.heal(healer.recovery_retry_at, ready=False)
+    assert len(failures) == 0 and healer.pending_recovery is not None
+    healer.heal(healer.recovery_retry_at, ready=False)
+    assert healer.pending_recovery is None and healer.broker_error is None
     assert recovered == [{"broker_pid": 1, "started_at": 5.0, "drained": False}]
-    assert stack.broker.starts == 1  # the same broker throughout
+    assert broker.starts == 1  # the same broker throughout
     assert ingest.started == 1 and not ingest.held

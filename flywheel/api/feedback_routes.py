@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request, status
 from pydantic import BaseModel
 
-from flywheel.api.gateway import publish_or_503, read_body
+from flywheel.api.publishing import publish_or_503, read_body
 from flywheel.feedback import Feedback
 from flywheel.ingest.feedback_wire import validate_feedback
 from flywheel.ingest.wire import load_json, sniff

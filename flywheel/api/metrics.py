@@ -29,9 +29,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from flywheel.api.hacking_metrics import COLUMNS, hacking_families
 from flywheel.config import Settings
+from flywheel.errors import unavailable
 from flywheel.observe.status import counts, describe_error, lag_or_error, stack_state
 from flywheel.web.app import settings_of
-from flywheel.web.guards import unavailable
 
 log = logging.getLogger("flywheel.api")
 SCRAPE_DB_TIMEOUT_S = 5.0

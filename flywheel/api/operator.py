@@ -3,8 +3,8 @@
 Reads (`GET /v1/status`, `/v1/whoami`, `/v1/adapters…`, `/v1/promotions…`, `/v1/serving`)
 need any valid token; actions (approve, reject, rollback) need the `operate` scope and are
 audited as events whose `actor` is the token fingerprint (plus the `X-Flywheel-Actor` name
-when sent). The lifespan hook also owns the `ServingSync` that the OpenAI-compatible routes
-agents call (`flywheel.serving.routes`) answer from.
+when sent). The lifespan hook opens the database pool (`app.state.db`) these routes, the
+metrics and the trace intake read; serving has its own (`flywheel.serving.lifespan`).
 
 Mount with `create_app(settings, routers=[operator_router()], lifespan_hooks=[operator_lifespan])`.
 """
@@ -12,7 +12,6 @@ Mount with `create_app(settings, routers=[operator_router()], lifespan_hooks=[op
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,6 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flywheel.adapters import lifecycle, queries
 from flywheel.db.engine import make_engine
+from flywheel.errors import unavailable
 from flywheel.observe.status import (
     dependency_report,
     describe_error,
@@ -34,10 +34,9 @@ from flywheel.observe.status import (
     stack_state,
 )
 from flywheel.runtime.endpoints import resolve_db_url
-from flywheel.serving.sync import ServingSync
 from flywheel.web.app import settings_of
 from flywheel.web.auth import Principal, require_scope
-from flywheel.web.guards import StorableText, existing_version, storable_or_422, unavailable
+from flywheel.web.guards import StorableText, existing_version, storable_or_422
 from flywheel.web.health import add_probe
 
 STATUS_DB_TIMEOUT_S = 5.0
@@ -64,24 +63,16 @@ class Rollback(BaseModel):
 async def operator_lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings = settings_of(app)
     engine = make_engine(resolve_db_url(settings), pool_size=4)
-    serving = ServingSync(settings, engine)
-    stop = asyncio.Event()
-    app.state.db, app.state.serving = engine, serving
+    app.state.db = engine
 
     async def postgres_answers() -> None:
         async with engine.connect() as conn:
             await conn.execute(text("SELECT 1"))
 
     add_probe(app, "postgres", postgres_answers)
-    follow = asyncio.create_task(serving.run(stop)) if settings.api.serve else None
     try:
         yield
     finally:
-        stop.set()
-        if follow is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await follow
-        await serving.close()
         await engine.dispose()
 
 

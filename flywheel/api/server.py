@@ -15,11 +15,13 @@ def build_app(settings: Settings) -> FastAPI:
     """The API as `flywheel up` serves it (tests build the same app)."""
     from flywheel.api.dashboard import dashboard_router
     from flywheel.api.feedback_routes import feedback_router
-    from flywheel.api.gateway import gateway_lifespan, gateway_router
+    from flywheel.api.gateway import gateway_router
     from flywheel.api.intake import intake_router
     from flywheel.api.metrics import metrics_router
     from flywheel.api.operator import operator_lifespan, operator_router
+    from flywheel.api.publishing import gateway_lifespan
     from flywheel.api.traces import traces_router
+    from flywheel.serving.lifespan import serving_lifespan
     from flywheel.serving.responses_routes import responses_router
     from flywheel.serving.routes import serving_router
     from flywheel.web.app import create_app
@@ -29,7 +31,7 @@ def build_app(settings: Settings) -> FastAPI:
                                intake_router(), operator_router(), serving_router(),
                                responses_router(),
                                metrics_router(), dashboard_router()],
-                      lifespan_hooks=[gateway_lifespan, operator_lifespan])
+                      lifespan_hooks=[gateway_lifespan, operator_lifespan, serving_lifespan])
 
 
 def main() -> None:

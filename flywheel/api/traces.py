@@ -30,8 +30,8 @@ from fastapi import APIRouter, HTTPException, Request, Response
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from flywheel.api.gateway import publish_or_503, read_body
 from flywheel.api.intake import intake_of
+from flywheel.api.publishing import publish_or_503, read_body
 from flywheel.formats import ParseContext
 from flywheel.ingest.otel import (
     OTEL_RECORD,

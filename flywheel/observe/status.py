@@ -19,11 +19,11 @@ from flywheel.adapters import queries
 from flywheel.adapters.registry import gate_activity, latest_baseline
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
+from flywheel.errors import unavailable
 from flywheel.runtime.endpoints import StackNotRunning, read_run, resolve_bootstrap, resolve_db_url
 from flywheel.runtime.kafka import consumer_groups, group_lag
 from flywheel.runtime.logs import mask_secrets, mask_text
 from flywheel.validation import store as validation_store
-from flywheel.web.guards import unavailable
 
 _COUNTS = text("""
 SELECT (SELECT count(*) FROM trajectories)                          AS trajectories,

@@ -9,7 +9,7 @@ same errors in OpenAI's shape) and returned as a `response` object or its event 
 scopes as chat: `publish` to create, any valid token to retrieve.
 
 Mount beside `serving_router()`: `create_app(settings, routers=[serving_router(),
-responses_router()], lifespan_hooks=[operator_lifespan])`.
+responses_router()], lifespan_hooks=[serving_lifespan])`.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ body, a wrong type, an unknown model, a missing token — has OpenAI's error sha
 `{"error": {"message", "type", "param", "code"}}`, so OpenAI clients raise their usual
 exceptions with a readable message.
 
-Mount with `create_app(settings, routers=[serving_router()], lifespan_hooks=[operator_lifespan])`
-(the operator lifespan owns the `ServingSync`).
+Mount with `create_app(settings, routers=[serving_router()], lifespan_hooks=[serving_lifespan])`
+(`flywheel.serving.lifespan` owns the `ServingSync`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ as a child process (ingest, miner, …, outbox relay, API). It keeps all of it r
 * a service that dies is restarted, with backoff (`supervise.Backoff`);
 * Postgres that dies is restarted the same way (services retry meanwhile; ingest fails
   its batch, is restarted and gets the batch redelivered: nothing is lost);
-* the broker that dies is restarted and its topics recreated (`heal`); the Kafka
+* the broker that dies is restarted and its topics recreated (`heal.Healer`, which the
+  `Stack` holds: it owns the broker's and Postgres's state); the Kafka
   consumers are stopped first and started afresh afterwards (a consumer that kept its old
   position would skip the new broker's first records), and what Postgres holds of what it
   may have taken with it — outbox events, stored but unmined trajectories — is republished
@@ -40,12 +41,11 @@ from typing import Any
 from flywheel.config import Settings, settings_env
 from flywheel.runtime.endpoints import read_run, run_file
 from flywheel.runtime.kafka import consumer_groups
-from flywheel.runtime.logs import rotate_if_needed
-from flywheel.runtime.losses import Losses, arrived, count_loss, loss_view, unstored_total
-from flywheel.stack import recovery
+from flywheel.runtime.logs import mask_text, rotate_if_needed
+from flywheel.runtime.losses import arrived, count_loss, loss_view, unstored_total
 from flywheel.stack.broker import MEMORY_ONLY_NOTE, LocalBroker
-from flywheel.stack.drain import Positions, close_intake, drain, read_positions
-from flywheel.stack.heal import ensure_topics, start_broker
+from flywheel.stack.drain import close_intake, drain, read_positions, reopen_intake
+from flywheel.stack.heal import Healer
 from flywheel.stack.launch import (
     LAST_STOP,
     SERVICES,
@@ -77,33 +77,28 @@ class Stack:
         self.home = settings.home.resolve()
         self.logs = self.home / "logs"
         cap = settings.stack.restart_backoff_max_s
-        self.broker: LocalBroker | None = None
-        self.postgres: LocalPostgres | None = None
-        self.broker_backoff, self.pg_backoff = Backoff(cap), Backoff(cap)
-        self.broker_error: str | None = None
-        self.pending_recovery: dict[str, Any] | None = None
-        """What a replaced broker's predecessor held, while republishing it has not
-        succeeded yet (the new broker runs; `heal` retries the recovery, not the broker)."""
-        self.recovery_retry_at, self.recovery_attempts = 0.0, 0
-        self.pg_error: str | None = None
         self.services = [Service(n, [], self.logs / f"{n}.log", Backoff(cap))
                          for n in SERVICES]
         self.env: dict[str, str] = {}
         self.status = "starting"
         self.notes: list[str] = []
-        self.broker_state: dict[str, Any] = recovery.new_state(None, None)
-        self.losses = Losses(self.home)
-        """What lost broker instances took with them, kept until an operator acknowledges
-        it (`flywheel losses ack`); recounted while producers re-send."""
+        self.healer = Healer(settings, self.services, self.notes)
+        """The broker and Postgres, their state and their repair."""
         self._last_recount = 0.0
         self.drain_line: str | None = None
-        self.last_recycle: float | None = None
-        self._lock = threading.Lock()
         self._repair = False
         self._stop = threading.Event()
         self._last_rotate = self._last_write = 0.0
         self._written: str = ""
         self.started_at = time.time()
+
+    @property
+    def broker(self) -> LocalBroker | None:
+        return self.healer.broker
+
+    @property
+    def postgres(self) -> LocalPostgres | None:
+        return self.healer.postgres
 
     # ---------------------------------------------------------------- start
 
@@ -113,19 +108,19 @@ class Stack:
         from flywheel.db import migrate
 
         self.logs.mkdir(parents=True, exist_ok=True)
-        s = self.settings
+        s, h = self.settings, self.healer
         kafka, db = s.kafka, s.db
         if not db.url:
-            self.postgres = LocalPostgres(self.home / "pg", db.local_port,
-                                          log_path=self.logs / "postgres.log")
-            self.postgres.start()
-            self.pg_backoff.started(time.monotonic())
-            db = db.model_copy(update={"url": self.postgres.url})
+            h.postgres = LocalPostgres(self.home / "pg", db.local_port,
+                                       log_path=self.logs / "postgres.log")
+            h.postgres.start()
+            h.pg_backoff.started(time.monotonic())
+            db = db.model_copy(update={"url": h.postgres.url})
         assert db.url
         migrate.upgrade(db.url)
         if not kafka.bootstrap:
-            self.broker = LocalBroker(kafka.local_port, self.logs / "broker.log")
-            kafka = kafka.model_copy(update={"bootstrap": self.broker.bootstrap})
+            h.broker = LocalBroker(kafka.local_port, self.logs / "broker.log")
+            kafka = kafka.model_copy(update={"bootstrap": h.broker.bootstrap})
         rollout = s.rollout
         if self.vllm is not None and self.vllm.proc is None:
             self.vllm.start()
@@ -135,11 +130,13 @@ class Stack:
         api = s.api.model_copy(update={"tokens": load_or_make_tokens(s)})
         self.settings = s.model_copy(update={"kafka": kafka, "db": db, "api": api,
                                              "rollout": rollout, "home": self.home})
-        if self.broker is not None:
-            start_broker(self, previous)
+        h.settings = self.settings
+        if h.broker is not None:
+            h.start_broker(previous)
         else:
-            ensure_topics(self)
+            h.ensure_topics()
         self.env = {**os.environ, **settings_env(self.settings), **torch_threads(os.environ)}
+        h.env = self.env
         for svc in self.services:
             svc.argv = service_argv(self.settings, svc.name)
         return self.settings
@@ -216,23 +213,23 @@ class Stack:
 
     def tick(self) -> None:
         """One round of supervision: heal what died, rotate logs, report."""
-        from flywheel.stack.heal import heal
-
         now = time.monotonic()
         if self._repair:
             self._repair = False
-            for b in (self.broker_backoff, self.pg_backoff, *(s.backoff for s in self.services)):
-                b.reset()
+            self.healer.reset_backoffs()
         reap_orphans({p.proc.pid for p in self.services if p.proc is not None}
                      | ({self.broker.proc.pid} if self.broker and self.broker.proc else set()))
         try:
-            heal(self, now)
+            recycle = self.healer.heal(now, ready=self.status == "ready")
+            if recycle is not None:
+                self.recycle_broker(recycle)
         except Exception:  # one failed repair must not end supervision (and stop the stack)
             log.exception("healing failed; trying again on the next tick")
-        if now - self._last_recount >= 5 and self.settings.db.url and self.losses.open():
+        losses = self.healer.losses
+        if now - self._last_recount >= 5 and self.settings.db.url and losses.open():
             self._last_recount = now
             try:
-                run_sync(self.losses.recount(self.settings.db.url))
+                run_sync(losses.recount(self.settings.db.url))
             except Exception as err:  # Postgres away: counted again on a later tick
                 log.debug("could not recount the losses: %r", err)
         if now - self._last_rotate >= 2:
@@ -267,19 +264,7 @@ class Stack:
             positions = asyncio.run(read_positions(bootstrap, groups))
             if positions is not None:
                 view = asyncio.run(loss_view(bootstrap, self.settings, positions))
-                self.record_positions(positions, started, view)
-
-    def record_positions(self, positions: Positions, read_at: float,
-                         view: dict[str, Any] | None = None) -> None:
-        """Fold one read into the broker instance's state; `view` (`losses.loss_view`) is
-        what its loss would be counted from, were it lost now."""
-        with self._lock:
-            state = self.broker_state
-            if self.broker is None or state.get("broker_pid") != self.broker.pid:
-                return  # read from an instance that is gone
-            recovery.record(state, positions, read_at)
-            state.update(view or {})
-            recovery.save_state(self.home, state)
+                self.healer.record_positions(positions, started, view)
 
     # ---------------------------------------------------------------- stop
 
@@ -308,9 +293,7 @@ class Stack:
         if report is not None:
             self._settle(report)
             if not report.done and self.settings.db.url:
-                with self._lock:
-                    state = dict(self.broker_state)
-                lost = run_sync(count_loss(self.settings.db.url, state))
+                lost = run_sync(count_loss(self.settings.db.url, self.healer.broker_state()))
         _stop_all(last, grace)
         if self.vllm is not None:
             self.vllm.stop()
@@ -319,9 +302,7 @@ class Stack:
         if self.postgres is not None:
             self.postgres.stop()
         if report is not None and report.done:
-            with self._lock:
-                self.broker_state["drained"] = True
-                recovery.save_state(self.home, self.broker_state)
+            self.healer.mark_drained()
         summary = report.summary() if report else (
             "stopped without draining" if self.broker is not None else
             "stopped (no drain needed: the external Kafka keeps what is not consumed yet)")
@@ -354,7 +335,7 @@ class Stack:
                                     "stopped")
                 return
             view = run_sync(loss_view(bootstrap, self.settings, positions))
-            self.record_positions(positions, started, view)
+            self.healer.record_positions(positions, started, view)
             report.lag = {g: sum(max(0, h - c) for c, h in parts.values())
                           for g, parts in positions.items()}
             report.trajectories_drained = all(report.lag[g] == 0
@@ -395,26 +376,57 @@ class Stack:
         if why:
             report.notes.append(why)
         if report.positions and report.read_at:
-            self.record_positions(report.positions, report.read_at)
+            self.healer.record_positions(report.positions, report.read_at)
         self.drain_line = report.summary()
         log.info("%s", self.drain_line)
         return report
+
+    def recycle_broker(self, reason: str) -> None:
+        """Drain, then replace the broker with a fresh one (the only way to free a
+        memory-only broker's memory before `retention.ms`); intake and the scheduler resume
+        afterwards."""
+        log.warning("recycling the bundled broker: %s", reason)
+        self.notes.append(f"broker recycled: {reason}")
+        drained = self.drain()
+        self.healer.replace_broker(time.monotonic(), drained=drained.done)
+        scheduler = next(s for s in self.services if s.name == "scheduler")
+        scheduler.start(self.env, time.monotonic())
+        reopen_intake(self.api_url(), operate_token(self.settings))
+        self.status, self.drain_line = "ready", None
 
     # ---------------------------------------------------------------- report
 
     def _write(self, *, force: bool = False) -> None:
         """run.json, when something changed (at most once a second unless forced)."""
-        from flywheel.stack.heal import report
-
         now = time.monotonic()
         if not force and now - self._last_write < 1.0:
             return
-        data = report(self)
+        data = self.report()
         digest = json.dumps(data, sort_keys=True, default=str)
         if digest == self._written and not force:
             return
         write_json_private(run_file(self.settings), {**data, "updated_at": time.time()})
         self._written, self._last_write = digest, now
+
+    def report(self) -> dict[str, Any]:
+        """run.json: where everything is and how every component is doing."""
+        s, broker, vllm = self.settings, self.broker, self.vllm
+        return {
+            "status": self.status, "supervisor_pid": os.getpid(), "started_at": self.started_at,
+            "kafka_bootstrap": s.kafka.bootstrap, "database_url": s.db.url,
+            "api_url": self.api_url(), "dashboard_url": self.api_url() + "/dashboard",
+            "topics": s.topics.model_dump(), "tokens": s.api.tokens,
+            "pids": {x.name: x.pid for x in self.services if x.pid},
+            "broker_pid": broker.pid if broker else None,
+            "vllm_url": vllm.url if vllm else None,
+            "vllm_pid": vllm.proc.pid if vllm and vllm.proc else None,
+            "postgres_data": str(self.postgres.data_dir) if self.postgres else None,
+            "logs": str(self.logs), "home": str(self.home),
+            "components": self.healer.components(),
+            "broker": self.healer.broker_report(),
+            "notes": [mask_text(n) for n in self.notes[-10:]],
+            "drain": self.drain_line,
+        }
 
 
 def _stop_all(services: list[Service], grace: float) -> None:

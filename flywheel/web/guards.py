@@ -18,16 +18,16 @@ import logging
 import uuid
 from typing import Annotated, Any
 
-import asyncpg
 from fastapi import FastAPI, HTTPException, Request, status
 from fastapi.encoders import jsonable_encoder
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import AfterValidator
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from flywheel.errors import unavailable
 
 log = logging.getLogger("flywheel.api")
 
@@ -194,35 +194,6 @@ def storable_or_422(value: str, where: str) -> str:
         return _storable(value)
     except ValueError as err:
         raise HTTPException(422, f"{where} {err}") from None
-
-
-_DOWN_SQLSTATES = ("08", "57P01", "57P02", "57P03", "53300")
-"""Connection exceptions, admin/crash shutdown, cannot connect now, too many connections."""
-
-
-def unavailable(exc: BaseException) -> str | None:
-    """Which dependency an exception says is down ('postgres'), or None for anything else
-    (a bug, bad input: those stay 4xx/500). Follows the cause chain: SQLAlchemy wraps the
-    driver's errors."""
-    todo: list[BaseException] = [exc]
-    for _ in range(8):
-        if not todo:
-            return None
-        seen = todo.pop(0)
-        if isinstance(seen, OperationalError | InterfaceError) or (
-                isinstance(seen, DBAPIError) and seen.connection_invalidated):
-            return "postgres"
-        if isinstance(seen, asyncpg.PostgresConnectionError | asyncpg.InterfaceError
-                      | asyncpg.CannotConnectNowError | asyncpg.TooManyConnectionsError):
-            return "postgres"
-        state = getattr(seen, "sqlstate", None)
-        if isinstance(state, str) and state.startswith(_DOWN_SQLSTATES):
-            return "postgres"
-        if isinstance(seen, ConnectionError | TimeoutError):
-            return "postgres"  # raw socket errors come from the pool (asyncpg connecting)
-        todo += [e for e in (getattr(seen, "orig", None), seen.__cause__)
-                 if isinstance(e, BaseException)]
-    return None
 
 
 class AsciiJSONResponse(JSONResponse):
