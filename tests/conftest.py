@@ -27,7 +27,7 @@ from flywheel.stack.postgres import LocalPostgres
 
 if TYPE_CHECKING:
     from flywheel.policy.base import Policy
-    from tests.vllm_server import RealVLLM
+    from tests.support.vllm_server import RealVLLM
 
 TEMPLATE_DB = "flywheel_template"
 
@@ -117,13 +117,13 @@ def settings(broker: LocalBroker, db_url: str, tmp_path: Path) -> Settings:
     )
 
 
-# -- the real vLLM server of the `vllm`-marked tests (tests/vllm_server.py) -----------------
+# -- the real vLLM server of the `vllm`-marked tests (tests/support/vllm_server.py) ----------------
 
 
 @pytest.fixture(scope="session")
 def vllm_server(services_dir: Path) -> Iterator[RealVLLM]:
     """One real vLLM server for the session, started as `flywheel vllm serve` starts it."""
-    from tests.vllm_server import REPORT, start_server, vllm_python
+    from tests.support.vllm_server import REPORT, start_server, vllm_python
 
     python = vllm_python()
     if python is None:
@@ -139,7 +139,7 @@ def vllm_server(services_dir: Path) -> Iterator[RealVLLM]:
 
 @pytest.fixture(scope="session")
 def vllm_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from tests.vllm_server import write_adapters
+    from tests.support.vllm_server import write_adapters
 
     return write_adapters(tmp_path_factory.mktemp("vllm-adapters"))
 
@@ -155,7 +155,7 @@ async def local_engine() -> AsyncIterator[Policy]:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    from tests.vllm_server import REPORT, report_lines
+    from tests.support.vllm_server import REPORT, report_lines
 
     if not REPORT:
         return

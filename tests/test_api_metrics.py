@@ -28,7 +28,7 @@ from flywheel.observe.status import collect
 from flywheel.runtime.kafka import ensure_topics
 from flywheel.stack.broker import free_port
 from flywheel.web.app import create_app
-from tests.helpers import produce
+from tests.support.helpers import produce
 from tests.test_adapters_lifecycle import evaluate, train, with_mode
 
 pytestmark = [pytest.mark.postgres, pytest.mark.kafka]

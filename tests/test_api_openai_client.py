@@ -26,7 +26,7 @@ from flywheel.config import ApiSettings, DbSettings, RolloutSettings, Settings, 
 from flywheel.db.engine import make_engine
 from flywheel.policy.model_cache import resolve_model_dir
 from flywheel.stack.postgres import LocalPostgres
-from tests.serving_helpers import live_api, register_version
+from tests.support.serving_helpers import live_api, register_version
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("torch")

@@ -24,7 +24,7 @@ from flywheel.db.engine import make_engine
 from flywheel.policy.model_cache import resolve_model_dir
 from flywheel.serving.responses_store import load, save
 from flywheel.stack.postgres import LocalPostgres
-from tests.serving_helpers import live_api
+from tests.support.serving_helpers import live_api
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("torch")

@@ -51,7 +51,7 @@ from flywheel.mining.store import freeze_eval_set, store_task
 from flywheel.policy.chat_format import openai_tools
 from flywheel.policy.model_cache import resolve_model_dir
 from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
-from tests.serving_helpers import live_api, register_version
+from tests.support.serving_helpers import live_api, register_version
 
 openai = pytest.importorskip("openai")
 torch = pytest.importorskip("torch")

@@ -14,7 +14,7 @@ from flywheel.db.engine import make_engine
 from flywheel.db.outbox import append_events
 from flywheel.events import DeadLettered, DeadLetterPayload, parse_event
 from flywheel.runtime.kafka import ensure_topics
-from tests.helpers import scalar, spawn, wait_for
+from tests.support.helpers import scalar, spawn, wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.postgres]
 

@@ -41,7 +41,7 @@ from flywheel.stack.broker import LocalBroker, free_port
 from flywheel.stack.postgres import LocalPostgres
 from flywheel.trajectory import parse_trajectory
 from tests.conftest import TEMPLATE_DB, _pg_dsn
-from tests.helpers import scalar, spawn, wait_for
+from tests.support.helpers import scalar, spawn, wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow]
 TOKEN = "e2e-publish-token-0123456789"

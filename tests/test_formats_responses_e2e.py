@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from flywheel.trajectory import parse_trajectory
-from tests.helpers import scalar, wait_for
+from tests.support.helpers import scalar, wait_for
 from tests.test_formats_e2e import TOKEN, Stack, _counts, _fetchval, stack  # noqa: F401
 
 pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow]

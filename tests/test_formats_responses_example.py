@@ -19,7 +19,7 @@ import pytest
 from flywheel.config import Settings
 from flywheel.ingest.wire import validate_record
 from flywheel.trajectory import Trajectory
-from tests.serving_helpers import live_api
+from tests.support.serving_helpers import live_api
 from tests.test_api_responses_client import TOKEN, api_settings  # noqa: F401
 
 pytest.importorskip("openai")

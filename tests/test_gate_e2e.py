@@ -35,7 +35,7 @@ from flywheel.serving.completions import complete
 from flywheel.serving.request import parse_request
 from flywheel.serving.sync import ServingSync
 from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
-from tests.helpers import spawn, wait_for
+from tests.support.helpers import spawn, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.postgres]
 

@@ -3,7 +3,7 @@
 The gate (`GateService`) evaluates a candidate on a tiny frozen holdout with the vLLM engine;
 serving (`ServingSync`) then moves the `production` alias to it on every replica — load,
 `/v1/models` check, `ServingSwitched` — to the next version, and back on a rollback. Two
-replica addresses of the session's server (tests/vllm_server.py `Proxy`): each is loaded and
+replica addresses of the session's server (tests/support/vllm_server.py `Proxy`): each is loaded and
 checked on its own. The decision rule is loosened as in test_gate_e2e.py (random adapters
 are not better than the base model): this is about the machinery.
 """
@@ -31,8 +31,8 @@ from flywheel.policy.factory import make_policy
 from flywheel.serving.completions import complete
 from flywheel.serving.request import parse_request
 from flywheel.serving.sync import ServingSync
+from tests.support.vllm_server import Proxy, RealVLLM, served_settings, unload
 from tests.test_policy_vllm_server import weather_task
-from tests.vllm_server import Proxy, RealVLLM, served_settings, unload
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.postgres]
 POLICY = "gated"  # its own policy name: the session's server keeps other tests' adapters

@@ -27,7 +27,7 @@ from flywheel.ingest.wire import (
 )
 from flywheel.trajectory import Trajectory
 from producers.sdk import serialize
-from tests.poison import POISON, Poison
+from tests.support.poison import POISON, Poison
 
 MAX = 64_000
 

@@ -12,7 +12,7 @@ import pytest
 from flywheel.config import Settings
 from flywheel.demo.samples import bad_payloads, make_trajectory
 from flywheel.runtime.kafka import ensure_topics
-from tests.helpers import dumps, produce, scalar, spawn, wait_for
+from tests.support.helpers import dumps, produce, scalar, spawn, wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.postgres]
 

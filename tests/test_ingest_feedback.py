@@ -17,7 +17,7 @@ from flywheel.formats import ParseContext, header_agent
 from flywheel.ingest.feedback_wire import decode_feedback, validate_feedback
 from flywheel.ingest.wire import RawRecord, Rejected, classify_one, decode
 from producers.feedback_client import serialize_feedback
-from tests.poison import pair
+from tests.support.poison import pair
 
 MAX = 1 << 20
 TID = "5f0c4a55-5d3b-4c1e-9a57-0d6f3c9e2b10"

@@ -19,7 +19,7 @@ from flywheel.ingest.otel import OTEL_RECORD, span_problem, trajectory_id, traje
 from flywheel.ingest.otlp import BadExport, decompress, export_response, read_export
 from flywheel.ingest.wire import validate_record
 from flywheel.trajectory import Trajectory
-from tests.otel_agent import converse, provider
+from tests.support.otel_agent import converse, provider
 
 
 def scripted_model(body: dict[str, Any]) -> dict[str, Any]:

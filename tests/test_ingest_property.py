@@ -4,8 +4,8 @@ or one dead letter, through the real broker and the real ingest and miner proces
 Hypothesis generates batches mixing valid trajectories (v1 and chat transcripts) with
 wrong types at every level, out-of-range timestamps and integers, NUL and lone surrogates in
 any string or key, NaN/Infinity, deep nesting, huge arrays, duplicate keys, unknown fields,
-arbitrary JSON and arbitrary bytes (`tests/trajectory_strategies.py`); the tester's records
-(`tests/poison.py`) are a fixed example. One stack serves every example: each example is
+arbitrary JSON and arbitrary bytes (`tests/support/trajectory_strategies.py`); the tester's records
+(`tests/support/poison.py`) are a fixed example. One stack serves every example: each example is
 one batch of 20-40 messages (FLYWHEEL_PROPERTY_EXAMPLES batches, default 4, plus the fixed
 one: about 150 messages a run). After each batch: every consumer's lag returns to 0, no valid
 record is lost or duplicated, no consumer was restarted, and the miner parked nothing (a
@@ -34,9 +34,9 @@ from flywheel.api.gateway import create_gateway_app
 from flywheel.config import ApiSettings, IngestSettings, MinerSettings, RetrySettings, Settings
 from flywheel.ingest.wire import Accepted, RawRecord, classify_one
 from flywheel.runtime.kafka import ensure_topics, group_lag
-from tests.helpers import spawn
-from tests.poison import POISON
-from tests.trajectory_strategies import Sent, sent
+from tests.support.helpers import spawn
+from tests.support.poison import POISON
+from tests.support.trajectory_strategies import Sent, sent
 
 pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow]
 

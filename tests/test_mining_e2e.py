@@ -12,7 +12,7 @@ from flywheel.config import Settings
 from flywheel.demo.simulate import simulate
 from flywheel.observe.status import collect
 from flywheel.runtime.kafka import ensure_topics
-from tests.helpers import produce, scalar, spawn, wait_for
+from tests.support.helpers import produce, scalar, spawn, wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.postgres]
 

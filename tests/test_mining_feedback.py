@@ -19,7 +19,7 @@ from flywheel.mining.mine_batch import mine_batch
 from flywheel.mining.outcomes import apply_pending, store_feedback
 from flywheel.observe.status import counts
 from flywheel.trajectory import parse_trajectory
-from tests.helpers import scalar
+from tests.support.helpers import scalar
 from tests.test_formats import SECOND, SYSTEM, USER, call, pair
 
 pytestmark = [pytest.mark.postgres]

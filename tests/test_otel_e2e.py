@@ -45,7 +45,7 @@ from flywheel.runtime.kafka import ensure_topics
 from flywheel.stack.broker import LocalBroker, free_port
 from flywheel.stack.postgres import LocalPostgres
 from tests.conftest import TEMPLATE_DB, _pg_dsn
-from tests.helpers import scalar, spawn, wait_for
+from tests.support.helpers import scalar, spawn, wait_for
 
 otel_sdk = pytest.importorskip("opentelemetry.sdk.trace")
 pytest.importorskip("torch")
@@ -58,7 +58,7 @@ from opentelemetry.sdk.trace.export import (  # noqa: E402
     SpanExportResult,
 )
 
-from tests.otel_agent import TOOLS, converse, provider  # noqa: E402
+from tests.support.otel_agent import TOOLS, converse, provider  # noqa: E402
 
 pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow]
 TOKEN = "otel-publish-token-0123456789"

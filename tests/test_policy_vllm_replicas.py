@@ -22,7 +22,7 @@ import pytest
 from flywheel.policy.base import AdapterRef, PolicyError, SamplingParams
 from flywheel.policy.vllm import VLLMPolicy
 from flywheel.stack.vllm_server import stop_group
-from tests.vllm_server import (
+from tests.support.vllm_server import (
     REPORT,
     SERVED,
     CountingTransport,

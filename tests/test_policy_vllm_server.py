@@ -1,4 +1,4 @@
-"""VLLMPolicy against a real vLLM server (started once per session: tests/vllm_server.py).
+"""VLLMPolicy against a real vLLM server (started once per session: tests/support/vllm_server.py).
 
 What the mock in test_policy_vllm.py assumes, checked against vLLM itself: a rollout group's
 token ids and sampling log-probs equal a fresh forward pass of the local engine on the same
@@ -25,7 +25,7 @@ from flywheel.policy.model_cache import resolve_model_dir
 from flywheel.policy.vllm import AdapterLoadError, VLLMPolicy
 from flywheel.rollout.loop import GroupConfig, run_group
 from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
-from tests.vllm_server import (
+from tests.support.vllm_server import (
     REPORT,
     SERVED,
     CountingTransport,

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from flywheel.policy.model_cache import resolve_model_dir
-from tests.vllm_server import REPORT, SERVED, RealVLLM, post
+from tests.support.vllm_server import REPORT, SERVED, RealVLLM, post
 
 chat_format = pytest.importorskip(
     "flywheel.policy.chat_format",

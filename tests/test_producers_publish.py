@@ -15,7 +15,7 @@ from flywheel.config import KafkaSettings, Settings
 from flywheel.stack.broker import LocalBroker, free_port
 from producers.replay import publish_lines
 from producers.sdk import FlywheelClient
-from tests.poison import POISON
+from tests.support.poison import POISON
 
 
 def offline(tmp_path: Path) -> Settings:

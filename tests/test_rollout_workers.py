@@ -16,7 +16,7 @@ from flywheel.policy.model_cache import resolve_model_dir
 from flywheel.rollout.store import request_rollouts
 from flywheel.runtime.kafka import ensure_topics
 from flywheel.trajectory import parse_trajectory
-from tests.helpers import scalar, spawn
+from tests.support.helpers import scalar, spawn
 
 pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow]
 GROUPS = 12

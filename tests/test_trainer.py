@@ -29,7 +29,7 @@ from flywheel.policy.model_cache import resolve_model_dir
 from flywheel.rollout.loop import GroupConfig, run_group
 from flywheel.runtime.kafka import ensure_topics
 from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
-from tests.helpers import scalar, spawn
+from tests.support.helpers import scalar, spawn
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.postgres]
 GROUPS = 6
@@ -151,7 +151,7 @@ def test_torchrun_ranks_take_the_single_process_step(
     from flywheel.trainer.grpo import GRPOConfig
     from flywheel.trainer.prefix import by_prompt
     from flywheel.trainer.ranks import balance
-    from tests.dist_trainer_worker import run_ops
+    from tests.support.dist_trainer_worker import run_ops
 
     model_dir = resolve_model_dir(None)
     payloads = [g for _, g in groups]
@@ -167,9 +167,9 @@ def test_torchrun_ranks_take_the_single_process_step(
     data.write_bytes(pickle.dumps({"model_dir": model_dir, "resume": tmp_path / "ck",
                                    "ops": ops}))
     log = tmp_path / "torchrun.log"
-    worker = Path(__file__).with_name("dist_trainer_worker.py")
+    worker = Path(__file__).parent / "support" / "dist_trainer_worker.py"
     proc = torchrun([str(worker), str(data), str(tmp_path / "out"), device],
-                    {"PYTHONPATH": str(worker.parent.parent)}, log)
+                    {"PYTHONPATH": str(worker.parents[2])}, log)
     assert proc.wait(300) == 0, log.read_text()[-4000:]
     run_ops(ref, ops)
     ref.save(tmp_path / "ref")

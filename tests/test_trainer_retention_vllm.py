@@ -35,7 +35,6 @@ def _trainer(engine: AsyncEngine, store: AdapterStore, rollout: RolloutSettings)
     fake = SimpleNamespace(engine=engine, store=store, policy="policy",
                            settings=Settings(rollout=rollout,
                                              trainer=TrainerSettings(keep_versions=1)))
-    fake._served_versions = lambda: TrainerService._served_versions(fake)  # type: ignore[arg-type]
     return fake
 
 

@@ -23,7 +23,15 @@ import pytest
 from flywheel.environments.calls import Call
 from flywheel.environments.scoring import verify_calls
 from flywheel.environments.tool_call import ToolCallEnvironment
-from tests.bfcl_harness import CATEGORIES, SEED, Calls, Case, generated_calls, load, reference
+from tests.support.bfcl_harness import (
+    CATEGORIES,
+    SEED,
+    Calls,
+    Case,
+    generated_calls,
+    load,
+    reference,
+)
 
 bfcl_eval = pytest.importorskip(
     "bfcl_eval", reason="bfcl-eval (BFCL's data and AST checker) is a test-only dependency; "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from flywheel.cli.common import JsonOpt, _fail, _settings, console, print_result
+from flywheel.cli.common import JsonOpt, console, fail, load_settings, print_result
 
 
 def baseline(as_json: JsonOpt = False) -> None:
@@ -17,7 +17,7 @@ def baseline(as_json: JsonOpt = False) -> None:
     from flywheel.policy.factory import make_policy
     from flywheel.runtime.endpoints import StackNotRunning, resolve_db_url
 
-    settings = _settings()
+    settings = load_settings()
 
     async def go() -> Any:
         engine = make_engine(resolve_db_url(settings), pool_size=2)
@@ -31,7 +31,7 @@ def baseline(as_json: JsonOpt = False) -> None:
     try:
         record = asyncio.run(go())
     except (NoEvalSet, StackNotRunning) as err:
-        _fail(str(err))
+        fail(str(err))
     if as_json:
         print_result(record, True)
         return

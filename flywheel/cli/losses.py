@@ -9,8 +9,7 @@ from typing import Annotated
 
 import typer
 
-from flywheel.cli.common import JsonOpt, _fail, _settings, console, print_result
-from flywheel.runtime.losses import Losses, acknowledge
+from flywheel.cli.common import JsonOpt, console, fail, load_settings, print_result
 
 losses_app = typer.Typer(no_args_is_help=True,
                          help="Records a lost bundled broker had acknowledged, not stored.")
@@ -19,7 +18,9 @@ losses_app = typer.Typer(no_args_is_help=True,
 @losses_app.command("ls")
 def ls(as_json: JsonOpt = False) -> None:
     """Losses not acknowledged yet, per topic (recounted while SDK clients re-send)."""
-    print_result(Losses(_settings().home).open(), as_json)
+    from flywheel.runtime.losses import Losses
+
+    print_result(Losses(load_settings().home).open(), as_json)
 
 
 @losses_app.command("ack")
@@ -29,9 +30,11 @@ def ack(loss_id: Annotated[str | None, typer.Argument(
         = False) -> None:
     """Acknowledge a loss (it leaves `flywheel status`)."""
     if (loss_id is None) == (not every):
-        _fail("name one loss id, or pass --all")
+        fail("name one loss id, or pass --all")
     try:
-        marked = acknowledge(_settings().home, loss_id)
+        from flywheel.runtime.losses import acknowledge
+
+        marked = acknowledge(load_settings().home, loss_id)
     except LookupError as err:
-        _fail(str(err))
+        fail(str(err))
     console.print(f"acknowledged {len(marked)} loss(es): {', '.join(marked) or 'none open'}")

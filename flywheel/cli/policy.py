@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from flywheel.cli.common import JsonOpt, _fail, _settings, console, print_result
+from flywheel.cli.common import JsonOpt, console, fail, load_settings, print_result
 
 policy_app = typer.Typer(no_args_is_help=True, help="The configured policy (model, chat format).")
 
@@ -18,12 +18,12 @@ def chat_format_info() -> dict[str, Any]:
     from flywheel.policy.factory import policy_chat_format
     from flywheel.policy.model_cache import resolve_model_dir
 
-    settings = _settings()
+    settings = load_settings()
     model_dir = resolve_model_dir(settings.rollout.model_dir)
     try:
         fmt = policy_chat_format(settings)
     except ChatFormatError as err:
-        _fail(str(err))
+        fail(str(err))
     path = fmt.path
     if path is None and (model_dir / "chat_template.jinja").is_file():
         path = model_dir / "chat_template.jinja"  # the model's own, as a file vLLM can read
@@ -46,14 +46,14 @@ def chat_template(
         from flywheel.policy.factory import policy_chat_format
 
         if write.suffix != ".jinja":
-            _fail(f"--write needs a .jinja path, got {write}")
-        policy_chat_format(_settings()).write(write)
+            fail(f"--write needs a .jinja path, got {write}")
+        policy_chat_format(load_settings()).write(write)
         info["path"] = str(write)
     if as_json:
         print_result(info, True)
         return
     if info["path"] is None:
-        _fail(f"the policy uses the model's own chat template ({info['version']}), which its "
+        fail(f"the policy uses the model's own chat template ({info['version']}), which its "
               "tokenizer carries but no file holds; start vLLM without --chat-template")
     console.print(f"chat format {info['version']} (rollout.chat_template: {info['setting']})")
     print(info["path"])

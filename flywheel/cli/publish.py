@@ -12,7 +12,7 @@ from typing import Annotated, TextIO
 
 import typer
 
-from flywheel.cli.common import JsonOpt, _fail, _settings, console
+from flywheel.cli.common import JsonOpt, console, fail, load_settings
 
 INVALID_EXIT = 1
 """Exit status when a line was invalid (and `--allow-invalid` was not given)."""
@@ -48,17 +48,17 @@ def publish(
     from producers.replay import publish_lines
 
     if raw and agent:
-        _fail("--agent names the agent of records it validates; --raw sends lines unread. "
+        fail("--agent names the agent of records it validates; --raw sends lines unread. "
               "Drop one (with --raw, name the agent in each record or in the Kafka header "
               "'flywheel-agent')")
     if feedback and agent:
-        _fail("--agent names trajectories; feedback belongs to the trajectory it names")
+        fail("--agent names trajectories; feedback belongs to the trajectory it names")
     if file != "-" and not Path(file).exists():
-        _fail(f"no such file: {file}")
+        fail(f"no such file: {file}")
     if file_format not in ("jsonl", "otlp-json"):
-        _fail(f"--format {file_format!r}: use jsonl or otlp-json")
+        fail(f"--format {file_format!r}: use jsonl or otlp-json")
     if file_format == "otlp-json" and (raw or feedback):
-        _fail("--format otlp-json reads spans; --raw and --feedback read JSONL records")
+        fail("--format otlp-json reads spans; --raw and --feedback read JSONL records")
     # surrogateescape: a line that is not UTF-8 is reported as invalid, not a crash mid-file
     stream: TextIO = (io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8",
                                        errors="surrogateescape")
@@ -66,11 +66,11 @@ def publish(
     if file_format == "otlp-json":
         stream = _span_groups(stream)
     try:
-        report = asyncio.run(publish_lines(_settings(), stream, raw=raw, strict=strict,
+        report = asyncio.run(publish_lines(load_settings(), stream, raw=raw, strict=strict,
                                            progress=not as_json, agent=agent,
                                            feedback=feedback))
     except StackNotRunning as exc:
-        _fail(str(exc))
+        fail(str(exc))
         return
     finally:
         if file != "-":
@@ -98,7 +98,7 @@ def _span_groups(stream: TextIO) -> TextIO:
     try:
         spans = read_otlp_json_file(stream.read())
     except BadExport as err:
-        _fail(f"not OTLP/JSON: {err}")
+        fail(f"not OTLP/JSON: {err}")
     finally:
         stream.close()
     groups, bad = group_spans(spans)

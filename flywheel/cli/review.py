@@ -14,8 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from flywheel.adapters.lifecycle import version_label
-from flywheel.cli.common import JsonOpt, _db_call, _fail, _settings, console, print_result
+from flywheel.cli.common import JsonOpt, console, db_call, fail, load_settings, print_result
 
 promotions_app = typer.Typer(no_args_is_help=True,
                              help="Gate decisions: review, approve, reject.")
@@ -32,9 +31,9 @@ def _lifecycle_call(fn: Any) -> Any:
     from flywheel.adapters.lifecycle import LifecycleError
 
     try:
-        return _db_call(fn)
+        return db_call(fn)
     except LifecycleError as err:
-        _fail(str(err))
+        fail(str(err))
 
 
 def _evaluation_id(conn: Any, ref: str) -> Any:
@@ -72,6 +71,8 @@ def validation_line(v: dict[str, Any], splits: dict[str, int]) -> tuple[str, str
 
 def gate_lines(gate: dict[str, Any]) -> list[tuple[str, str]]:
     """`flywheel status` rows of the gate: its activity and what the eval set can see."""
+    from flywheel.adapters.lifecycle import version_label
+
     state = gate["state"]
     if state == "evaluating":
         doing = (f"evaluating v{gate['version']} against "
@@ -135,8 +136,8 @@ def promotions_ls(state: Annotated[str | None, typer.Option(
     """Gate decision records, newest first."""
     from flywheel.adapters.queries import list_evaluations
 
-    policy = _settings().policy
-    rows = _db_call(lambda conn: list_evaluations(conn, policy, state=state))
+    policy = load_settings().policy
+    rows = db_call(lambda conn: list_evaluations(conn, policy, state=state))
     if as_json:
         print_result(rows, True)
         return
@@ -211,9 +212,9 @@ def promotions_approve(evaluation: str, reason: Reason,
                            help="Promote against the gate's reject recommendation.")] = False,
                        as_json: JsonOpt = False) -> None:
     """Promote the evaluated candidate (manual mode, or overriding with --force)."""
-    from flywheel.adapters.lifecycle import approve
+    from flywheel.adapters.lifecycle import approve, version_label
 
-    topics = _settings().topics
+    topics = load_settings().topics
 
     async def go(conn: Any) -> Any:
         event = await approve(conn, await _evaluation_id(conn, evaluation), actor=_actor(),
@@ -233,7 +234,7 @@ def promotions_reject(evaluation: str, reason: Reason, as_json: JsonOpt = False)
     """Reject the evaluated candidate."""
     from flywheel.adapters.lifecycle import reject
 
-    topics = _settings().topics
+    topics = load_settings().topics
 
     async def go(conn: Any) -> Any:
         event = await reject(conn, await _evaluation_id(conn, evaluation), actor=_actor(),
@@ -251,10 +252,11 @@ def promotions_reject(evaluation: str, reason: Reason, as_json: JsonOpt = False)
 def adapters_ls(as_json: JsonOpt = False) -> None:
     """Every version: lineage, stage, status, training reward, validation success and the
     gap between them, holdout success; production marked."""
+    from flywheel.adapters.lifecycle import version_label
     from flywheel.adapters.queries import list_adapters, production
     from flywheel.validation.store import curve_rows
 
-    policy = _settings().policy
+    policy = load_settings().policy
 
     async def go(conn: Any) -> Any:
         curve = {r["version"]: r for r in await curve_rows(conn, policy)}
@@ -263,7 +265,7 @@ def adapters_ls(as_json: JsonOpt = False) -> None:
                 "adapters": [{**a, **{k: curve.get(a["version"], none)[k] for k in none}}
                              for a in await list_adapters(conn, policy)]}
 
-    data = _db_call(go)
+    data = db_call(go)
     if as_json:
         print_result(data, True)
         return
@@ -289,10 +291,10 @@ def adapters_show(version: int, as_json: JsonOpt = False) -> None:
     """One version: manifest facts, its events (audit trail) and its evaluations."""
     from flywheel.adapters.queries import get_adapter
 
-    policy = _settings().policy
-    found = _db_call(lambda conn: get_adapter(conn, policy, version))
+    policy = load_settings().policy
+    found = db_call(lambda conn: get_adapter(conn, policy, version))
     if found is None:
-        _fail(f"no adapter version {version} (see `flywheel adapters ls`)")
+        fail(f"no adapter version {version} (see `flywheel adapters ls`)")
     print_result(found, as_json)
 
 
@@ -303,7 +305,7 @@ def adapters_rollback(reason: Reason,
                           "previous production version.")] = None,
                       as_json: JsonOpt = False) -> None:
     """Re-point production to an earlier promoted version; serving follows."""
-    from flywheel.adapters.lifecycle import BASE, rollback
+    from flywheel.adapters.lifecycle import BASE, rollback, version_label
 
     target: int | None = None
     if to is not None:
@@ -312,8 +314,8 @@ def adapters_rollback(reason: Reason,
         elif to.lstrip("v").isdigit():
             target = int(to.lstrip("v"))
         else:
-            _fail(f"--to takes a version like 3 or v3, or `base` (got {to!r})")
-    settings = _settings()
+            fail(f"--to takes a version like 3 or v3, or `base` (got {to!r})")
+    settings = load_settings()
 
     async def go(conn: Any) -> Any:
         event = await rollback(conn, settings.policy, to=target, actor=_actor(),
@@ -342,7 +344,7 @@ def adapters_evaluate(version: int, as_json: JsonOpt = False) -> None:
     from flywheel.policy.factory import make_policy
     from flywheel.runtime.endpoints import resolve_db_url
 
-    settings = _settings()
+    settings = load_settings()
 
     async def go() -> Any:
         engine = make_engine(resolve_db_url(settings), pool_size=2)
@@ -357,7 +359,7 @@ def adapters_evaluate(version: int, as_json: JsonOpt = False) -> None:
     try:
         events = asyncio.run(go())
     except LifecycleError as err:
-        _fail(str(err))
+        fail(str(err))
     if as_json:
         print_result(events, True)
     else:
@@ -379,7 +381,7 @@ def replay(as_json: JsonOpt = False) -> None:
         return {"events": events, "identical": not differ, "tables_differing": differ,
                 "rows": {t: len(rows) for t, rows in after.items()}}
 
-    result = _db_call(go)
+    result = db_call(go)
     if as_json:
         print_result(result, True)
     else:

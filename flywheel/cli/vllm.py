@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from flywheel.cli.common import _fail, _settings, console
-from flywheel.config import Settings
+from flywheel.cli.common import console, fail, load_settings
 
 if TYPE_CHECKING:
+    from flywheel.config import Settings
     from flywheel.policy.vllm_flags import ServerConfig
     from flywheel.stack.vllm_server import VLLMServer
 
@@ -35,7 +35,7 @@ def _device(gpu: bool) -> Literal["cpu", "gpu"]:
 
 
 def _record_path() -> Path:
-    return _settings().home / "vllm.json"
+    return load_settings().home / "vllm.json"
 
 
 def build_server(settings: Settings, *, python: Path | None = None,
@@ -57,7 +57,7 @@ def args(gpu: GpuOpt = False, port: PortOpt = None) -> None:
     """Print the server's environment and command line (to run it elsewhere)."""
     from flywheel.policy.vllm_flags import server_args, server_config, server_env
 
-    cfg = server_config(_settings(), device=_device(gpu), port=port)
+    cfg = server_config(load_settings(), device=_device(gpu), port=port)
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in server_env(cfg).items())
     print(f"{env} python {shlex.join(server_args(cfg))}")
 
@@ -74,10 +74,10 @@ def serve(
     """Start vLLM on 127.0.0.1 for the configured policy and wait until it is healthy."""
     from flywheel.stack.vllm_server import VLLMStartError, recorded
 
-    settings = _settings()
+    settings = load_settings()
     record = settings.home / "vllm.json"
     if (running := recorded(record)) is not None:
-        _fail(f"a vLLM server started by flywheel already runs at {running['url']} (pid "
+        fail(f"a vLLM server started by flywheel already runs at {running['url']} (pid "
               f"{running['pid']}); `flywheel vllm stop` first")
     settings.home.mkdir(parents=True, exist_ok=True)
     cfg, server = build_server(settings, python=python, device=_device(gpu), port=port)
@@ -86,7 +86,7 @@ def serve(
         startup = server.wait_healthy(startup_timeout)
     except VLLMStartError as err:
         server.stop()
-        _fail(str(err))
+        fail(str(err))
         return
     server.record(record)
     console.print(f"vLLM healthy at {cfg.url} after {startup:.1f}s (model "
@@ -100,7 +100,7 @@ def serve(
     try:
         while not stop.wait(1.0):
             if not server.alive():
-                _fail(f"vLLM exited; see {server.log_path}")
+                fail(f"vLLM exited; see {server.log_path}")
     finally:
         server.stop()
         record.unlink(missing_ok=True)

@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from aiokafka import TopicPartition
-from aiokafka.errors import KafkaError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from flywheel.adapters import registry
+from flywheel.adapters import registry, retention
 from flywheel.adapters.lifecycle import project
 from flywheel.config import Settings
 from flywheel.db import deadletters
@@ -35,6 +34,7 @@ from flywheel.errors import InvalidRecord, failure_of, is_transient
 from flywheel.events import AdapterTrained, AdapterTrainedPayload, GroupScored
 from flywheel.policy.cores import CoreShare, run_shared
 from flywheel.runtime.consume import RetryPolicy, read_event, transiently
+from flywheel.runtime.offset_ledger import OffsetLedger
 from flywheel.trainer import store
 from flywheel.trainer.baseline_wait import wait_for_baseline
 from flywheel.trainer.grpo import GRPOConfig
@@ -110,7 +110,7 @@ class TrainerService:
         self.batch: list[_Pending] = []       # received, waiting for a full batch
         self.trained: list[_Pending] = []     # trained since the last publication
         self.stale: list[_Pending] = []       # dropped as stale since the last publication
-        self.consumed: dict[TopicPartition, int] = {}  # next offset per partition, all seen
+        self.offsets = OffsetLedger()  # what was seen; commits stop at batch and trained
         self.steps_since_publish = 0
         self.stale_since_publish = 0
         self.groups_since_candidate = 0
@@ -229,7 +229,7 @@ class TrainerService:
         items, unreadable = [], []
         for r in records:
             tp = TopicPartition(r.topic, r.partition)
-            self.consumed[tp] = max(self.consumed.get(tp, 0), r.offset + 1)
+            self.offsets.seen(tp, r.offset)
             try:
                 event = read_event(r)
             except InvalidRecord as err:  # parked below: it cannot hold up the groups after it
@@ -347,19 +347,11 @@ class TrainerService:
         async with self.engine.connect() as conn:
             return await registry.candidates_waiting(conn, self.policy) == 0
 
-    def _committable(self) -> dict[TopicPartition, int]:
-        """Per partition: everything before the first group not yet durable — waiting in the
-        batch, or trained into weights that are not published yet."""
-        safe = dict(self.consumed)
-        for p in [*self.batch, *self.trained]:
-            safe[p.tp] = min(safe.get(p.tp, p.offset), p.offset)
-        return safe
-
     async def _commit(self, consumer: AIOKafkaConsumer) -> None:
-        try:
-            await consumer.commit(self._committable())
-        except KafkaError as err:
-            log.warning("offset commit skipped (%s); redelivered groups are skipped", err)
+        """Up to the first group not yet durable: waiting in the batch, or trained into
+        weights that are not published yet."""
+        await self.offsets.commit(consumer, [(p.tp, p.offset)
+                                             for p in [*self.batch, *self.trained]])
 
     async def _record_stale(self, consumer: AIOKafkaConsumer) -> None:
         """Dropped groups are recorded (and counted) at once; their offsets can then move."""
@@ -411,36 +403,9 @@ class TrainerService:
         return version
 
     async def _retain(self) -> None:
-        """Delete old versions beyond `keep_versions`, never one a rollout still needs nor
-        one a vLLM replica still lists (it reads the directory again after an eviction)."""
-        async with self.engine.connect() as conn:
-            in_use = await registry.versions_in_use(conn, self.policy)
-        served = await self._served_versions()
-        if served is not None:
-            deleted = await asyncio.to_thread(self.store.retain, self.policy,
-                                              self.settings.trainer.keep_versions,
-                                              in_use | served)
-            if deleted:
-                log.info("retention removed %s@v%s", self.policy, deleted)
-        leftovers = await asyncio.to_thread(self.store.gc_temp, self.policy)
-        if leftovers:
-            log.info("removed %d leftovers of crashed publishes", len(leftovers))
-
-    async def _served_versions(self) -> set[int] | None:
-        """Versions the vLLM replicas list (empty with the local engine); None when a replica
-        cannot be asked, so that nothing is deleted blind."""
-        r = self.settings.rollout
-        if r.engine != "vllm":
-            return set()
-        from flywheel.policy.base import PolicyError
-        from flywheel.policy.vllm import served_versions
-
-        try:
-            return await served_versions(r.vllm_urls, self.policy)
-        except PolicyError as err:
-            log.warning("retention skipped this time: cannot tell which versions the vLLM "
-                        "replicas still serve (%s)", err)
-            return None
+        await retention.retain(self.engine, self.store, self.policy,
+                               keep=self.settings.trainer.keep_versions,
+                               rollout=self.settings.rollout)
 
     def keepalive(self) -> None:
         """Under torchrun: an idle trainer still talks to its followers within the process

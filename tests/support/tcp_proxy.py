@@ -1,4 +1,4 @@
-"""`python -m tests.tcp_proxy LISTEN_PORT TARGET_PORT`: forward 127.0.0.1:LISTEN_PORT to
+"""`python -m tests.support.tcp_proxy LISTEN_PORT TARGET_PORT`: forward 127.0.0.1:LISTEN_PORT to
 127.0.0.1:TARGET_PORT, byte for byte; prints "ready" once listening. The vllm tests use it
 as a second replica address of one server and kill it to take that replica down."""
 

@@ -1,7 +1,7 @@
 """Run by `torchrun` from tests/test_trainer.py: rank 0 resumes a checkpoint and drives the
 followers through SFT and GRPO steps (`flywheel.trainer.distributed`), then saves.
 
-    torchrun --standalone --nproc_per_node=2 tests/dist_trainer_worker.py DATA OUT [DEVICE]
+    torchrun --standalone --nproc_per_node=2 tests/support/dist_trainer_worker.py DATA OUT [DEVICE]
 
 DEVICE: `cpu` (gloo, the default) or `cuda` (NCCL, one GPU per rank).
 """

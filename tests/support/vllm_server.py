@@ -27,7 +27,7 @@ from flywheel.policy.vllm_flags import ServerConfig, server_args, server_config,
 from flywheel.stack.broker import free_port
 from flywheel.stack.vllm_server import VLLMServer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SERVED = "policy-base"
 REPORT: dict[str, Any] = {}
 
@@ -94,8 +94,9 @@ class Proxy:
     def __init__(self, target_port: int) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.tcp_proxy", str(self.port),
-                                      str(target_port)], cwd=ROOT, stdout=subprocess.PIPE)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.tcp_proxy",
+                                      str(self.port), str(target_port)],
+                                     cwd=ROOT, stdout=subprocess.PIPE)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()  # "ready" once it listens
         if b"ready" not in line:

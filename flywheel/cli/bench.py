@@ -1,0 +1,172 @@
+"""`flywheel bench …`: benchmarks, each a ratio against a baseline measured in the same run."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from flywheel.cli.common import JsonOpt, fail, load_settings, print_result
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios against a baseline "
+                        "measured in the same run).")
+
+
+@bench_app.command("ingest")
+def bench_ingest(
+    n: Annotated[int, typer.Option(help="Trajectories to push through.")] = 50_000,
+    workers: Annotated[int, typer.Option(help="Ingest processes (one consumer group).")] = 1,
+    as_json: JsonOpt = False,
+) -> None:
+    """Producer → Kafka → Postgres until every row is durable, against raw COPY."""
+    from flywheel.bench.ingest import run_bench
+
+    result = run_bench(n, workers=workers, progress=not as_json)
+    print_result(result, as_json)
+
+
+@bench_app.command("otlp")
+def bench_otlp(
+    n: Annotated[int, typer.Option(help="Conversations (4 spans each) per leg.")] = 2000,
+    batch: Annotated[int, typer.Option(help="Conversations per request.")] = 50,
+    as_json: JsonOpt = False,
+) -> None:
+    """OTLP spans → /v1/traces → Postgres, against the gateway's trajectories/s, one run."""
+    from flywheel.bench.otlp import run_bench
+
+    print_result(run_bench(n, batch=batch), as_json)
+
+
+@bench_app.command("rollout")
+def bench_rollout(
+    groups: Annotated[int, typer.Option(help="Groups to sample on each side.")] = 6,
+    group_size: Annotated[int, typer.Option(help="G: completions per group.")] = 8,
+    max_tokens: Annotated[int, typer.Option(help="Token limit per completion.")] = 32,
+    worker: Annotated[bool, typer.Option(
+        help="Also run the groups through the rollout worker (Kafka, Postgres).")] = True,
+    engine: Annotated[str, typer.Option(help="`worker`: the rollout worker vs the configured "
+                                        "engine called directly; `vllm`: vLLM vs the local "
+                                        "engine on the same groups.")] = "worker",
+    vllm_url: Annotated[str | None, typer.Option(help="With --engine vllm: a running "
+                                                 "server (default: start one, then stop it)."
+                                                 )] = None,
+    lora: Annotated[bool, typer.Option(help="With --engine vllm: also through a LoRA "
+                                       "version.")] = False,
+    gpu: Annotated[bool, typer.Option(help="With --engine vllm: start vLLM with the GPU "
+                                      "flags.")] = False,
+    in_flight: Annotated[int | None, typer.Option(
+        "--in-flight", help="Instead: groups/s of the configured engine with this many "
+        "groups in flight vs one at a time (same tasks and seeds).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Groups through the rollout worker vs the engine directly, and the engine with prompts
+    shared vs run in full (same prompts and seeds); or (`--engine vllm`) vLLM vs the local
+    engine on the same groups; or (`--in-flight N`) N groups at once vs one at a time."""
+    if engine == "vllm":
+        from flywheel.bench.engines import run_engine_bench
+        from flywheel.stack.vllm_server import VLLMStartError
+
+        try:
+            result = run_engine_bench(groups, group_size=group_size, max_tokens=max_tokens,
+                                      vllm_url=vllm_url, lora=lora, gpu=gpu)
+        except VLLMStartError as err:
+            fail(str(err))
+        print_result(result, as_json)
+        return
+    if engine != "worker":
+        fail(f"--engine must be worker or vllm, not {engine!r}")
+    if in_flight is not None:
+        from flywheel.bench.inflight import run_inflight_rollout_bench
+
+        print_result(run_inflight_rollout_bench(groups=groups, inflight=in_flight,
+                                                group_size=group_size, max_tokens=max_tokens,
+                                                settings=load_settings()), as_json)
+        return
+    from flywheel.bench.rollout import run_bench
+
+    result = run_bench(groups, group_size=group_size, max_tokens=max_tokens, worker=worker)
+    print_result(result, as_json)
+
+
+@bench_app.command("gate")
+def bench_gate(
+    tasks: Annotated[int, typer.Option(help="Holdout tasks of each set.")] = 24,
+    inflight: Annotated[int, typer.Option(help="Tasks in flight on the new path.")] = 64,
+    rounds: Annotated[int, typer.Option(help="Gate rounds on each side.")] = 1,
+    as_json: JsonOpt = False,
+) -> None:
+    """Samples/s of gate rounds on the same holdouts (the demo's tasks; the same with large
+    tool schemas): one task after another vs all in flight, on the configured engine."""
+    from flywheel.bench.inflight import run_gate_bench
+
+    print_result(run_gate_bench(tasks=tasks, inflight=inflight, rounds=rounds,
+                                settings=load_settings()), as_json)
+
+
+@bench_app.command("learning")
+def bench_learning(
+    steps: Annotated[int, typer.Option(help="GRPO steps.")] = 30,
+    tasks: Annotated[int, typer.Option(help="Fixed tool_call tasks.")] = 6,
+    lr: Annotated[float, typer.Option(help="Learning rate.")] = 2e-4,
+    sft_steps: Annotated[int, typer.Option(
+        help="SFT warm-start steps before GRPO, on demonstrations of other requests (the "
+             "untuned model calls no tool, so GRPO alone has no signal).")] = 12,
+    max_tokens: Annotated[int, typer.Option(
+        help="Most tokens per completion (a tool call in the chat format is 40-50).")] = 64,
+    heldout_tasks: Annotated[int, typer.Option(
+        help="Requests never trained on, for GRPO's gain over its start.")] = 25,
+    heldout_samples: Annotated[int, typer.Option(
+        help="Samples per held-out request and side (tasks × samples ≥ 200).")] = 8,
+    as_json: JsonOpt = False,
+) -> None:
+    """Mean reward on fixed tasks: base policy [vs SFT] vs after K GRPO steps (local engine),
+    and GRPO's gain over its start on ≥ 200 held-out samples with 95% intervals."""
+    from flywheel.bench.learning import run_learning
+
+    if heldout_tasks * heldout_samples < 200:
+        fail(f"--heldout-tasks × --heldout-samples is {heldout_tasks * heldout_samples}: "
+              "use at least 200 held-out samples")
+    result = run_learning(steps, tasks=tasks, lr=lr, sft_steps=sft_steps,
+                          max_tokens=max_tokens, heldout_tasks=heldout_tasks,
+                          heldout_samples=heldout_samples)
+    print_result(result, as_json)
+
+
+@bench_app.command("prefix")
+def bench_prefix(
+    batch: Annotated[int, typer.Option(help="B: prompts (groups) per step.")] = 4,
+    group_size: Annotated[int, typer.Option(help="G: completions per prompt.")] = 8,
+    tokens: Annotated[int, typer.Option(help="Tokens per completion.")] = 32,
+    repeats: Annotated[int, typer.Option(help="Timed runs per side (best counts).")] = 1,
+    as_json: JsonOpt = False,
+) -> None:
+    """A GRPO and an SFT step: each prompt run once vs every prompt + completion in full."""
+    from flywheel.bench.prefix import run_prefix_bench
+
+    print_result(run_prefix_bench(batch=batch, group_size=group_size, tokens=tokens,
+                                  repeats=repeats), as_json)
+
+
+@bench_app.command("trainer")
+def bench_trainer(
+    steps: Annotated[int, typer.Option(help="GRPO steps on each side.")] = 3,
+    batch: Annotated[int, typer.Option(help="B: trainable groups per step.")] = 2,
+    group_size: Annotated[int, typer.Option(help="G: completions per group.")] = 8,
+    max_tokens: Annotated[int, typer.Option(
+        help="Token limit per completion (a tool call in the chat format is 40-50).")] = 64,
+    staleness: Annotated[int, typer.Option(help="Versions sampling may run ahead of "
+                                           "training.")] = 1,
+    sequential: Annotated[bool, typer.Option(help="Also time the same pipeline without "
+                                             "overlap (all cores per phase).")] = True,
+    trl: Annotated[bool, typer.Option(help="Also run TRL's GRPOTrainer (the baseline).")] = True,
+    as_json: JsonOpt = False,
+) -> None:
+    """K GRPO steps: Flywheel's overlapped sampling + training vs TRL's GRPOTrainer (CPU)."""
+    from flywheel.bench.trainer import run_trainer_bench
+
+    if min(steps, batch, staleness) < 1 or group_size < 2:
+        fail("--steps, --batch and --staleness must be ≥ 1, --group-size ≥ 2")
+    result = run_trainer_bench(steps, batch=batch, group_size=group_size,
+                               max_tokens=max_tokens, staleness=staleness,
+                               sequential=sequential, trl=trl)
+    print_result(result, as_json)
