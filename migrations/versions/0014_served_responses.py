@@ -1,7 +1,7 @@
 """served responses: `POST /v1/responses` answers kept for previous_response_id chaining
 
 Revision ID: 0014
-Revises: 0008
+Revises: 0013
 Create Date: 2026-12-01 20:30:00.000000
 """
 from collections.abc import Sequence

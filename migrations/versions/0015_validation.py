@@ -1,7 +1,7 @@
 """validation split, validation runs per version, validation status, candidate selections
 
 Revision ID: 0015
-Revises: 0008
+Revises: 0014
 Create Date: 2026-12-01 21:00:00.000000
 """
 from collections.abc import Sequence
