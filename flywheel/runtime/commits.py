@@ -55,9 +55,15 @@ class OrderedOffsets:
     def finish(self, tp: TopicPartition, offset: int) -> int | None:
         """`offset` is settled: the position to commit now (just past every settled record
         before the earliest one still open), or None when that did not move."""
+        return self.finish_many(tp, (offset,))
+
+    def finish_many(self, tp: TopicPartition, offsets: Iterable[int]) -> int | None:
+        """`finish` for several offsets of one partition, the open set scanned once (a
+        1,000-record ingest batch settles in one pass, not one `min` per record)."""
         open_ = self._open.setdefault(tp, set())
-        open_.discard(offset)
-        self._highest[tp] = max(self._highest.get(tp, -1), offset)
+        done = set(offsets)
+        open_ -= done
+        self._highest[tp] = max(self._highest.get(tp, -1), *done)
         position = min(open_) if open_ else self._highest[tp] + 1
         if position <= self._committed.get(tp, -1):
             return None
@@ -86,11 +92,14 @@ class OrderedCommits:
     async def settled(self, consumer: AIOKafkaConsumer, records: Iterable[Positioned]
                       ) -> None:
         """These records' effects are durable: commit as far as the order allows."""
-        positions: dict[TopicPartition, int] = {}
+        by_partition: dict[TopicPartition, list[int]] = {}
         for r in records:
-            position = self.offsets.finish(_tp(r), r.offset)
+            by_partition.setdefault(_tp(r), []).append(r.offset)
+        positions: dict[TopicPartition, int] = {}
+        for tp, offsets in by_partition.items():
+            position = self.offsets.finish_many(tp, offsets)
             if position is not None:
-                positions[_tp(r)] = position
+                positions[tp] = position
         if not positions:
             return
         try:
