@@ -225,6 +225,7 @@ class FlywheelClient:
         self._closing = True
         for event in (self._closing_event, self._data, self._space):
             event.set()
+        self._notify_progress()  # a sender held back by unconfirmed records sees the close
         task = self._task
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
@@ -381,8 +382,6 @@ class FlywheelClient:
             if not isinstance(exc, _REFUSED):
                 done, error = i, exc
                 break
-            if not isinstance(exc, _REFUSED):
-                return i, exc
             # Retrying cannot help, and holding it would block every record behind it.
             rejected = self._spool_dir / f"{self._topic}.rejected"
             with open(rejected, "ab") as f:
@@ -466,6 +465,8 @@ class FlywheelClient:
             self._data.set()
         elif self._spool is not None:
             self._spool.append(records, sync=True)
+        # They left the unconfirmed count: a sender held back by `max_buffered` may go on.
+        self._notify_progress()
 
     async def _await_confirmed(self, deadline: float | None) -> None:
         """Closing: wait (until `deadline`) for what the broker acked to be stored."""
