@@ -264,3 +264,19 @@ def test_summary_excludes_not_run_from_statistics() -> None:
     assert not summarize([r(0, 1.0), r(1, None)], 2, 1).trainable
     assert summarize([r(0, None)], 2, 1).reward_mean is None
     assert json.loads(out.rollouts[2].model_dump_json())["reward"] is None
+
+
+def test_a_cut_reply_that_called_an_unsafe_tool_stays_an_unsafe_action() -> None:
+    """Truncation relabels a failed reply as `truncated`, but never an unsafe call: the gate's
+    failure-mode counts and what changed must still say what the model did."""
+    from flywheel.events import Turn
+    from flywheel.rollout.loop import score
+    from flywheel.tasks import VerifierResult
+
+    cut = [Turn(prompt_token_ids=[1], token_ids=[2], logprobs=[-0.1], text="x",
+                finish_reason="length")]
+    unsafe = VerifierResult(reward=0.0, reward_components={"unsafe": 1.0},
+                            failure_mode="unsafe_action")
+    assert score(unsafe, cut).failure_mode == "unsafe_action"
+    wrong = VerifierResult(reward=0.0, reward_components={}, failure_mode="wrong_tool")
+    assert score(wrong, cut).failure_mode == "truncated"

@@ -11,8 +11,9 @@ this choice.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+from flywheel.gate.decision import exact_mcnemar
 
 
 @dataclass(frozen=True)
@@ -40,12 +41,9 @@ def common_tasks(a: Score, b: Score) -> list[str]:
     return sorted(t for t in a.success if a.success[t] and b.success.get(t))
 
 
-def sign_test(wins: int, losses: int) -> float:
-    """One-sided p of `wins` or more among `wins + losses` fair coin flips (1.0 if none)."""
-    n = wins + losses
-    if n == 0:
-        return 1.0
-    return float(sum(math.comb(n, k) for k in range(wins, n + 1)) / 2 ** n)
+sign_test = exact_mcnemar
+"""One-sided p of `wins` or more among `wins + losses` fair coin flips: the gate's exact
+McNemar test (`flywheel.gate.decision.exact_mcnemar`), here at the screen's loose level."""
 
 
 @dataclass(frozen=True)
