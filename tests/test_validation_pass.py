@@ -159,7 +159,7 @@ async def test_the_split_is_stratified_sticky_and_refused_by_training(
         with pytest.raises(HoldoutRefused, match="validation"):
             await training_tasks(conn, task_ids=[next(iter(val))])
         assert await trainer_store.validation_tasks_among(conn, list(val)) == val
-        assert await trainer_store.validation_selects(conn, s.validation)
+        assert await trainer_store.validation_selects(conn, s.validation, s.rollout.envs)
 
 
 async def test_flat_validation_with_rising_training_reward_proposes_nothing_and_pauses(

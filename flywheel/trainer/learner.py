@@ -338,7 +338,8 @@ class TrainerService:
         earlier candidate still waiting."""
         need = self.settings.trainer.propose_min_groups
         async with self.engine.connect() as conn:
-            if await store.validation_selects(conn, self.settings.validation):
+            if await store.validation_selects(conn, self.settings.validation,
+                                              self.settings.rollout.envs):
                 return False  # the validation pass proposes (flywheel.validation.scoring)
         if need == 0:
             return True

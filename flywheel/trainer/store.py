@@ -71,12 +71,18 @@ async def groups_since_candidate(conn: AsyncConnection, policy: str) -> int:
              WHERE policy = :p AND status <> 'snapshot'), 0)"""), {"p": policy})).scalar_one())
 
 
-async def validation_selects(conn: AsyncConnection, cfg: ValidationSettings) -> bool:
+async def validation_selects(conn: AsyncConnection, cfg: ValidationSettings,
+                             envs: Sequence[str]) -> bool:
     """Whether the validation split is in place, so that the validation pass (not the
-    trainer) chooses which GRPO versions go to the gate."""
-    if cfg.share <= 0:
-        return False
-    n = (await conn.execute(text("SELECT count(*) FROM validation_tasks"))).scalar_one()
+    trainer) chooses which GRPO versions go to the gate: the very tasks the pass scores
+    (`flywheel.validation.split.load_tasks`: split `train`, the policy's environments) number
+    at least `min_tasks` — else the pass proposes nothing and the trainer proposes, so one of
+    the two always does and never both."""
+    n = (await conn.execute(text("""
+        SELECT count(*) FROM validation_tasks v JOIN tasks t USING (task_id)
+        WHERE t.split = 'train'
+          AND (cardinality(CAST(:envs AS text[])) = 0 OR t.env = ANY(CAST(:envs AS text[])))"""),
+        {"envs": list(envs)})).scalar_one()
     return int(n) >= cfg.min_tasks
 
 

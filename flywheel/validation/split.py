@@ -91,7 +91,9 @@ async def assign(conn: AsyncConnection, cfg: ValidationSettings, envs: list[str]
                   AND t.task_id NOT IN (SELECT task_id FROM eval_set_tasks)
                   AND (cardinality(CAST(:envs AS text[])) = 0
                        OR t.env = ANY(CAST(:envs AS text[])))),
-               (SELECT count(*) FROM validation_tasks)"""), {"envs": envs or []})).one()
+               (SELECT count(*) FROM validation_tasks v JOIN tasks t USING (task_id)
+                WHERE cardinality(CAST(:envs AS text[])) = 0
+                   OR t.env = ANY(CAST(:envs AS text[])))"""), {"envs": envs or []})).one()
     if target(int(pool_n), cfg) <= int(have_n):
         return 0
     rows = (await conn.execute(text("""
