@@ -146,3 +146,15 @@ def test_a_span_postgres_cannot_store_is_refused() -> None:
     problem = span_problem(spans[0])
     assert problem is not None and problem.startswith(f"span {spans[0]['span_id']}: ")
     assert isinstance(validate_record({OTEL_RECORD: spans}), tuple)
+
+
+def test_a_record_over_the_payload_limit_is_refused_not_published() -> None:
+    """What the broker would refuse (over `ingest.max_payload_bytes`) is answered as a refused
+    span with its size, never sent: a 503 on every later export of the conversation else."""
+    from flywheel.api.traces import to_publish
+    from flywheel.formats import ParseContext
+
+    small, big = ({"name": "s"}, "bad span"), ({"name": "b" * 5000}, "bad span too")
+    records, refused, reasons = to_publish({}, [small, big], ParseContext(), 1000)
+    assert len(records) == 1 and refused == 2
+    assert any("ingest.max_payload_bytes" in r for r in reasons)

@@ -113,25 +113,38 @@ async def store_spans(engine: AsyncEngine, spans: list[dict[str, Any]]
 
 
 def to_publish(groups: dict[uuid.UUID, list[dict[str, Any]]],
-               bad: list[tuple[dict[str, Any], str]], context: ParseContext
-               ) -> tuple[list[tuple[bytes, bytes]], int, list[str]]:
+               bad: list[tuple[dict[str, Any], str]], context: ParseContext,
+               max_payload_bytes: int) -> tuple[list[tuple[bytes, bytes]], int, list[str]]:
     """(Kafka records, refused span count, reasons): each complete group as its trajectory,
-    each refused span or group as it came (ingest dead-letters it with the same reason)."""
+    each refused span or group as it came (ingest dead-letters it with the same reason).
+    A record over `ingest.max_payload_bytes` is refused here, as the gateway refuses one: the
+    broker would refuse it, and every later export of that conversation with it."""
     records: list[tuple[bytes, bytes]] = []
     refused, reasons = 0, []
+
+    def add(key: bytes, value: bytes, spans: int, what: str) -> None:
+        nonlocal refused
+        if len(value) > max_payload_bytes:
+            refused += spans
+            reasons.append(f"{what} is {len(value)} bytes: one trajectory may be at most "
+                           f"{max_payload_bytes} bytes (ingest.max_payload_bytes)")
+        else:
+            records.append((key, value))
+
     for tid, spans in sorted(groups.items()):
         result = validate_record({OTEL_RECORD: spans}, context=context)
         key = str(tid).encode()
         if isinstance(result, tuple):
             refused += len(spans)
             reasons.append(result[1])
-            records.append((key, json.dumps({OTEL_RECORD: spans}).encode()))
+            add(key, json.dumps({OTEL_RECORD: spans}).encode(), 0, f"trajectory {tid}")
         else:
-            records.append((key, result.model_dump_json(exclude_none=True).encode()))
+            add(key, result.model_dump_json(exclude_none=True).encode(), len(spans),
+                f"trajectory {tid} ({len(spans)} spans)")
     for span, reason in bad:
         refused += 1
         reasons.append(reason)
-        records.append((b"", json.dumps({OTEL_RECORD: [span]}, default=str).encode()))
+        add(b"", json.dumps({OTEL_RECORD: [span]}, default=str).encode(), 0, "a refused span")
     return records, refused, reasons
 
 
@@ -156,7 +169,8 @@ def traces_router() -> APIRouter:
             good, bad = split_spans(spans)
             groups = await store_spans(request.app.state.db, good)
             records, refused, reasons = await asyncio.to_thread(
-                to_publish, groups, bad, ParseContext(token_agent=principal.agent))
+                to_publish, groups, bad, ParseContext(token_agent=principal.agent),
+                settings.ingest.max_payload_bytes)
             if records:
                 await publish_or_503(request, settings.topics.trajectories, records,
                                      what="trajectories from spans",
