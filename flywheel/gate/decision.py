@@ -154,6 +154,19 @@ def _gap(cand: EvalRun, base: EvalRun, round_: int, s: int) -> str:
             f"infrastructure is back")
 
 
+def looked_at(cand: EvalRun, base: EvalRun, rule: Rule, candidate_number: int = 1
+              ) -> tuple[EvalRun, EvalRun]:
+    """Both runs cut to the rounds the test looks at (the sequential test stops early: its
+    used rounds at the candidate's level; a fixed test sees every run) — what the behaviour
+    checks and "what changed" must read, without deciding twice."""
+    if rule.test != "sequential":
+        return cand, base
+    s = rule.round_samples
+    used = sequential.run(round_counts(cand, base, s),
+                          lifetime.rule_for(rule, candidate_number)).used_rounds
+    return first_rounds(cand, used, s), first_rounds(base, used, s)
+
+
 def decide(cand: EvalRun, base: EvalRun, rule: Rule,
            probe: LatencyProbe | None = None, extra: Sequence[GateCheck] = (), *,
            candidate_number: int = 1) -> GateDecision:

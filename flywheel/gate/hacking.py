@@ -19,7 +19,7 @@ from flywheel.config import GateSettings
 from flywheel.events import GateCanaries, GateDecision, LatencyProbe, TrainGap
 from flywheel.gate import behaviour, canaries
 from flywheel.gate.changes import changes
-from flywheel.gate.decision import EvalRun, decide, first_rounds
+from flywheel.gate.decision import EvalRun, decide, looked_at
 
 
 def train_gap(train: EvalRun | None, holdout_success: float, rule: GateSettings
@@ -45,12 +45,7 @@ def review(cand: EvalRun, base: EvalRun, rule: GateSettings, probe: LatencyProbe
     """`decide` (for the `candidate_number`-th candidate against this production) with the
     canaries, the behaviour shifts, the train gap and what changed, the last three on the
     rounds the test looked at."""
-    first = decide(cand, base, rule, probe, candidate_number=candidate_number)
-    seen_c, seen_b = cand, base
-    if first.sequential is not None:
-        used = first.sequential.samples_per_task // rule.round_samples
-        seen_c, seen_b = (first_rounds(cand, used, rule.round_samples),
-                          first_rounds(base, used, rule.round_samples))
+    seen_c, seen_b = looked_at(cand, base, rule, candidate_number)
     fc, fb, extra = behaviour.checks(seen_c, seen_b, rule)
     if found is not None:
         extra.insert(0, canaries.check(found))
