@@ -70,15 +70,18 @@ class StoreConfirmer:
             await self.close()
 
     async def poll(self) -> tuple[int, list[Record]]:
-        """(how many pending records are now stored, records to send again)."""
+        """(how many pending records are now stored, records to send again). Nothing
+        pending asks the broker nothing (an idle producer polls every `confirm_interval_s`);
+        a broker replaced while idle is then seen at the next poll with records pending and
+        those are sent again — duplicates at worst, which ingest skips, never a loss."""
+        if not self.count:
+            return 0, []
         cluster = await self._cluster_id()
         if cluster != self._cluster:
             self._cluster = cluster
             resend = self.take_all()
             self.resent += len(resend)
             return 0, resend
-        if not self.count:
-            return 0, []
         assert self._admin is not None
         parts = [TopicPartition(self._topic, p) for p, q in self._pending.items() if q]
         committed = await asyncio.wait_for(
