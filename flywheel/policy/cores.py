@@ -4,7 +4,8 @@ The rollout worker, the trainer and the gate each hold a model. A fixed split (o
 each on 2 cores) leaves a core idle whenever only one of them works — the baseline, a gate
 round while rollouts wait on admission, an SFT step — and giving each every core
 oversubscribes the machine when they all work, which OpenMP's spin-waiting punishes hard
-(a group of 8 attempts took 80 s instead of 12 s on 2 cores). So each one announces its heavy
+(measured here: one process on 4 groups took 152 s and 147 s with 2 threads against 28 s and
+25 s with 1, on 2 cores other work was using — docs/BENCHMARKS.md). So each one announces its heavy
 operations in a shared directory (one file per busy process, removed when the operation
 ends; a dead process's file is ignored) and sizes torch's intra-op pool, at the start of
 every operation, to its share of the cores among the processes busy at that moment:
