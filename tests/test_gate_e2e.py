@@ -35,7 +35,7 @@ from flywheel.serving.completions import complete
 from flywheel.serving.request import parse_request
 from flywheel.serving.sync import ServingSync
 from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
-from tests.support.helpers import spawn, wait_for
+from tests.support.helpers import machinery_gate, spawn, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.postgres]
 
@@ -72,10 +72,7 @@ async def _publish_version(settings: Settings, store: AdapterStore, version: int
 
 def _gate_settings(settings: Settings, mode: str, tmp_path: Path) -> Settings:
     return settings.model_copy(update={
-        "gate": settings.gate.model_copy(update={
-            "mode": mode, "samples_per_task": 2, "test_only_accept": True,
-            "group_tolerance": 1.0, "invalid_tolerance": 1.0, "reward_tolerance": 1.0,
-            "latency_p95_ratio": 100.0, "tokens_ratio": 100.0}),
+        "gate": machinery_gate(settings.gate, mode=mode, samples_per_task=2),
         "rollout": settings.rollout.model_copy(update={
             "max_tokens": 24, "model_dir": resolve_model_dir(None)}),
         "trainer": settings.trainer.model_copy(update={"adapters_dir": tmp_path / "adapters"}),

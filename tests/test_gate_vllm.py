@@ -31,6 +31,7 @@ from flywheel.policy.factory import make_policy
 from flywheel.serving.completions import complete
 from flywheel.serving.request import parse_request
 from flywheel.serving.sync import ServingSync
+from tests.support.helpers import machinery_gate
 from tests.support.vllm_server import Proxy, RealVLLM, served_settings, unload
 from tests.test_policy_vllm_server import weather_task
 
@@ -42,10 +43,7 @@ def gate_settings(home: Path, db_url: str, urls: list[str]) -> Settings:
     s = served_settings(home, urls, max_tokens=24, envs=["tool_call"])
     return s.model_copy(update={
         "policy": POLICY, "db": DbSettings(url=db_url),
-        "gate": s.gate.model_copy(update={
-            "mode": "auto", "samples_per_task": 2, "test_only_accept": True,
-            "group_tolerance": 1.0, "invalid_tolerance": 1.0, "reward_tolerance": 1.0,
-            "latency_p95_ratio": 100.0, "tokens_ratio": 100.0}),
+        "gate": machinery_gate(s.gate, mode="auto", samples_per_task=2),
         "trainer": s.trainer.model_copy(update={"adapters_dir": home / "adapters"})})
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import asyncpg
 from aiokafka import AIOKafkaProducer
 
-from flywheel.config import Settings, settings_env
+from flywheel.config import GateSettings, Settings, settings_env
 
 
 def spawn(module: str, settings: Settings, log: Path) -> subprocess.Popen[bytes]:
@@ -59,3 +59,21 @@ async def wait_for(dsn: str, sql: str, expected: int, timeout: float = 60) -> in
             return value
         await asyncio.sleep(0.25)
     return value
+
+
+def machinery_gate(gate: GateSettings, **update: object) -> GateSettings:
+    """`gate` loosened for tests of the gate's machinery with random adapters.
+
+    Random adapters are not better than the base model and sample different failure mixes
+    from run to run (a real vLLM server is not bit-reproducible across machines): the
+    significance and gain checks pass by the documented `test_only_accept`, and every guard
+    metric and behaviour-shift check (truncation, abstention, reply length, calls per turn,
+    dropped calls) is opened wide, so what such a test sees is the machinery, not chance.
+    Canaries stay: they test the verifiers, which are deterministic.
+    """
+    return gate.model_copy(update={
+        "test_only_accept": True, "group_tolerance": 1.0, "invalid_tolerance": 1.0,
+        "unsafe_tolerance": 1.0, "reward_tolerance": 1.0, "latency_p95_ratio": 100.0,
+        "tokens_ratio": 100.0, "abstention_tolerance": 1.0, "truncation_tolerance": 1.0,
+        "reply_length_ratio": 1000.0, "calls_per_turn_tolerance": 100.0,
+        "dropped_calls_tolerance": 1.0, **update})
