@@ -68,6 +68,10 @@ class IngestSettings(BaseModel):
     """Most messages written to Postgres in one transaction."""
     batch_timeout_ms: int = 200
     """Longest wait to fill a batch before writing what arrived."""
+    otel_span_retention_s: float = Field(default=7 * 24 * 3600, gt=0)
+    """How long the OTLP receiver keeps the spans of a trajectory after its last span came
+    (`otel_spans`): a span arriving later than this starts its conversation's record over
+    (the stored trajectory keeps what it had). The default matches the topics' retention."""
 
 
 class MinerSettings(BaseModel):

@@ -104,6 +104,8 @@ class TrajectoriesIngestedPayload(_Payload):
     """How many of the inserted trajectories are failures (miner input)."""
     dead_lettered: int
     ranges: list[IngestedRange]
+    replaced: int = 0
+    """OTel trajectories stored again with more spans (late spans merged): not new rows."""
 
 
 class TrajectoriesIngested(_Event):

@@ -9,6 +9,11 @@ its conversation join that conversation when it is named. A trajectory is sent o
 trace in it has its root span (a trace is complete when its root ends, and the root ends
 last); a span that comes after that re-sends the whole group, which ingest stores in place
 of the smaller one.
+Exports are stored one at a time (a transaction-scoped advisory lock): two exports of one
+conversation at once would each see only their own new spans and publish two partial groups.
+The lock is held for the few statements of one store (measured by `flywheel bench otlp`).
+Spans of a trajectory whose last span is older than `ingest.otel_span_retention_s` are
+deleted (at most once every `PRUNE_EVERY_S` per API process).
 Everything is decided by ingest's boundary (`validate_record`): a span it cannot read is
 published as it came, so ingest dead-letters it with its reason, and the answer is OTLP's
 partial success naming how many spans were refused and why. Re-sending an export is safe:
@@ -22,6 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import time
 import uuid
 from collections import defaultdict
 from typing import Any
@@ -45,6 +52,13 @@ from flywheel.ingest.wire import validate_record
 from flywheel.web.app import settings_of
 from flywheel.web.auth import Principal, require_scope
 
+log = logging.getLogger("flywheel.api")
+PRUNE_EVERY_S = 600.0
+_STORE_LOCK = 0x6F746C7073  # pg_advisory_xact_lock key of span storing ("otlps")
+_LOCK = text("SELECT pg_advisory_xact_lock(:key)")
+_PRUNE = text("""DELETE FROM otel_spans WHERE trajectory_id IN (
+    SELECT trajectory_id FROM otel_spans GROUP BY 1
+    HAVING max(received_at) < now() - make_interval(secs => :age))""")
 _KNOWN = text("SELECT DISTINCT trace_id, trajectory_id FROM otel_spans "
               "WHERE trace_id = ANY(CAST(:traces AS text[]))")
 _INSERT = text("""INSERT INTO otel_spans (trajectory_id, trace_id, span_id, is_root, span)
@@ -88,6 +102,7 @@ async def store_spans(engine: AsyncEngine, spans: list[dict[str, Any]]
             conv[s["trace_id"]] = c
     traces = sorted({s["trace_id"] for s in spans})
     async with engine.begin() as conn:
+        await conn.execute(_LOCK, {"key": _STORE_LOCK})
         known: dict[str, set[uuid.UUID]] = defaultdict(set)
         for t, i in (await conn.execute(_KNOWN, {"traces": traces})).all():
             known[t].add(i)
@@ -110,6 +125,25 @@ async def store_spans(engine: AsyncEngine, spans: list[dict[str, Any]]
             for tid, body in (await conn.execute(_GROUP, {"ids": complete})).all():
                 groups[tid].append(body)
     return dict(groups)
+
+
+async def prune_spans(engine: AsyncEngine, older_than_s: float) -> int:
+    """Delete the spans of every trajectory whose last span came over `older_than_s` ago."""
+    async with engine.begin() as conn:
+        await conn.execute(_LOCK, {"key": _STORE_LOCK})
+        return (await conn.execute(_PRUNE, {"age": older_than_s})).rowcount or 0
+
+
+async def _maybe_prune(request: Request, older_than_s: float) -> None:
+    state = request.app.state
+    now = time.monotonic()
+    if now < getattr(state, "otel_prune_at", 0.0):
+        return
+    state.otel_prune_at = now + PRUNE_EVERY_S
+    deleted = await prune_spans(state.db, older_than_s)
+    if deleted:
+        log.info("OTLP: deleted %d spans of trajectories idle for over %.0f s "
+                 "(ingest.otel_span_retention_s)", deleted, older_than_s)
 
 
 def to_publish(groups: dict[uuid.UUID, list[dict[str, Any]]],
@@ -167,6 +201,7 @@ def traces_router() -> APIRouter:
             except BadExport as err:
                 raise HTTPException(400, str(err)) from None
             good, bad = split_spans(spans)
+            await _maybe_prune(request, settings.ingest.otel_span_retention_s)
             groups = await store_spans(request.app.state.db, good)
             records, refused, reasons = await asyncio.to_thread(
                 to_publish, groups, bad, ParseContext(token_agent=principal.agent),

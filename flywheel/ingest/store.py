@@ -39,7 +39,7 @@ ON CONFLICT (trajectory_id) DO UPDATE SET record = EXCLUDED.record,
   WHERE (EXCLUDED.record #>> '{metadata,otel,span_count}')::bigint
         > COALESCE((trajectories.record #>> '{metadata,otel,span_count}')::bigint, 0)
     AND trajectories.record #> '{metadata,otel}' IS NOT NULL
-RETURNING is_failure
+RETURNING is_failure, (xmax = 0) AS inserted
 """)
 
 _INSERT_DEAD_LETTERS = text("""
@@ -54,8 +54,13 @@ RETURNING topic, partition, "offset"
 @dataclass(frozen=True)
 class TrajectoryWrite:
     inserted: int
+    """New rows."""
     failures: int
+    """How many of the new rows are failures."""
     duplicates: int
+    """Records of ids already stored, skipped."""
+    replaced: int = 0
+    """OTel trajectories stored again with more spans, in place of the smaller group."""
 
 
 TRAJECTORY_COLUMNS = ["trajectory_id", "agent", "session_id", "status", "is_failure", "model",
@@ -112,8 +117,9 @@ async def _insert_skipping_duplicates(conn: AsyncConnection,
         "offs": [a.source.offset for a in unique],
         "records": [a.record_json for a in unique],
     })
-    flags = result.scalars().all()
-    return TrajectoryWrite(len(flags), sum(flags), len(batch) - len(flags))
+    rows = result.all()
+    new = [failure for failure, inserted in rows if inserted]
+    return TrajectoryWrite(len(new), sum(new), len(batch) - len(rows), len(rows) - len(new))
 
 
 def _span_count(a: Accepted) -> int:

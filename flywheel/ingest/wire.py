@@ -263,7 +263,7 @@ def dead_letter_event(r: Rejected) -> DeadLettered:
 
 
 def ingested_event(records: list[RawRecord], *, inserted: int, duplicates: int, failures: int,
-                   dead_lettered: int) -> TrajectoriesIngested:
+                   dead_lettered: int, replaced: int = 0) -> TrajectoriesIngested:
     spans: dict[tuple[str, int], tuple[int, int]] = {}
     for rec in records:
         lo, hi = spans.get((rec.topic, rec.partition), (rec.offset, rec.offset))
@@ -277,5 +277,5 @@ def ingested_event(records: list[RawRecord], *, inserted: int, duplicates: int, 
         aggregate_id=f"{first.topic}/{first.partition}",
         payload=TrajectoriesIngestedPayload(inserted=inserted, duplicates=duplicates,
                                             failures=failures, dead_lettered=dead_lettered,
-                                            ranges=ranges),
+                                            ranges=ranges, replaced=replaced),
     )

@@ -53,11 +53,12 @@ async def write_batch(engine: AsyncEngine, topics: Topics,
         written = await insert_trajectories(conn, accepted)
         new_dead = await insert_dead_letters(conn, rejected)
         events: list[Event] = [dead_letter_event(r) for r in new_dead]
-        if written.inserted or new_dead:
+        if written.inserted or written.replaced or new_dead:
             events.append(ingested_event(records, inserted=written.inserted,
                                          duplicates=written.duplicates,
                                          failures=written.failures,
-                                         dead_lettered=len(new_dead)))
+                                         dead_lettered=len(new_dead),
+                                         replaced=written.replaced))
         await append_events(conn, events, topics)
     if new_dead:
         log.warning("dead-lettered %d of %d messages", len(new_dead), len(records))
