@@ -91,3 +91,15 @@ def test_status_line_says_overfitting_and_the_gap() -> None:
     _, none = validation_line({"state": "absent", "detail": None, "tasks": 0, "newest": None},
                               {})
     assert "no validation split yet" in none
+
+
+def test_after_a_pause_the_alarm_watches_only_later_versions() -> None:
+    production = score(1, 8)
+    curve = [score(n + 2, 8, 0.37 + 0.07 * n) for n in range(6)]  # v2–v7 overfit
+    assert judge(curve, production, last_proposed=1, margin=0.02, alpha=0.2, window=4,
+                 rise=0.05).overfitting
+    # The pause ended after v7 (new tasks came): v8 alone cannot raise it again.
+    curve.append(score(8, 8, 0.9))
+    again = judge(curve, production, last_proposed=1, margin=0.02, alpha=0.2, window=4,
+                  rise=0.05, alarm_after=7)
+    assert again.overfitting is None and [s.version for s in again.window] == [8]

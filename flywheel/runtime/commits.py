@@ -4,12 +4,14 @@ A consumer `open`s records when it takes them on and calls `settled` once their 
 (rows, or dead letters) are durable. Per partition the commit goes just past every settled
 record before the earliest one still open, and never backwards: a crash never skips a
 record that was not recorded, it redelivers the unfinished ones (redelivery is a no-op for
-every consumer: each keys its writes on the record's identity). The three shapes a consumer
+every consumer: each keys its writes on the record's identity). The shapes a consumer
 takes all use it:
 
 * one batch at a time (`flywheel.runtime.consume.handle`): open, settle, commit — `commit`;
 * one write in flight behind decoding (ingest's `flywheel.ingest.writer.WritePipeline`);
-* several records in flight at once (`flywheel.runtime.inflight.InFlight`).
+* several records in flight at once (`flywheel.runtime.inflight.InFlight`);
+* records held past their fetch until a version is published (the trainer,
+  `flywheel.trainer.learner.TrainerService`).
 
 A commit refused because the partition moved in a rebalance is skipped with a warning: the
 new owner reads from the last commit and redoes the rest idempotently.

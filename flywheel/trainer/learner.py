@@ -33,8 +33,8 @@ from flywheel.db.outbox import append_events
 from flywheel.errors import InvalidRecord, failure_of, is_transient
 from flywheel.events import AdapterTrained, AdapterTrainedPayload, GroupScored
 from flywheel.policy.cores import CoreShare, run_shared
+from flywheel.runtime.commits import OrderedCommits, Positioned
 from flywheel.runtime.consume import RetryPolicy, read_event, transiently
-from flywheel.runtime.offset_ledger import OffsetLedger
 from flywheel.trainer import store
 from flywheel.trainer.baseline_wait import wait_for_baseline
 from flywheel.trainer.grpo import GRPOConfig
@@ -73,6 +73,14 @@ class _Pending:
     offset: int
     group: GroupScoredPayload
 
+    @property
+    def topic(self) -> str:
+        return str(self.tp.topic)
+
+    @property
+    def partition(self) -> int:
+        return int(self.tp.partition)
+
 
 @dataclass
 class TrainerState:
@@ -110,7 +118,10 @@ class TrainerService:
         self.batch: list[_Pending] = []       # received, waiting for a full batch
         self.trained: list[_Pending] = []     # trained since the last publication
         self.stale: list[_Pending] = []       # dropped as stale since the last publication
-        self.offsets = OffsetLedger()  # what was seen; commits stop at batch and trained
+        self.durable: list[_Pending] = []     # published without a consumer to commit with
+        self.commits = OrderedCommits(logger=log)
+        """Every fetched record is open until its effect is durable: parked, refused, already
+        trained, dropped as stale (at once) or trained into a published version."""
         self.steps_since_publish = 0
         self.stale_since_publish = 0
         self.groups_since_candidate = 0
@@ -226,21 +237,24 @@ class TrainerService:
     async def on_records(self, records: Sequence[ConsumerRecord[bytes, bytes]],
                          consumer: AIOKafkaConsumer) -> None:
         """Take a fetch of `GroupScored` records; train and publish as batches fill."""
+        self.commits.open(records)
         items, unreadable = [], []
+        settled: list[Positioned] = []  # nothing left to do for these once this fetch ends
         for r in records:
             tp = TopicPartition(r.topic, r.partition)
-            self.offsets.seen(tp, r.offset)
             try:
                 event = read_event(r)
             except InvalidRecord as err:  # parked below: it cannot hold up the groups after it
                 unreadable.append(Parked("trainer", r.topic, r.partition, r.offset, r.key,
                                          r.value or b"", failure_of(err)))
+                settled.append(r)
                 continue
             if isinstance(event, GroupScored) and event.payload.trainable:
                 items.append(_Pending(tp, r.offset, event.payload))
+            else:
+                settled.append(r)  # not a group to train on
         if unreadable:
             await self._park(unreadable)
-        parked = bool(unreadable)
         if items:
             self.status.last_group_at = time.monotonic()
         done = await self._already_consumed([p.group.group_id for p in items])
@@ -248,7 +262,8 @@ class TrainerService:
         current = self.version or 0
         for p in items:
             if p.group.group_id in done or p.group.task_id in refused:
-                continue  # trained into a published version before a crash; or validation
+                settled.append(p)  # trained into a published version before a crash; or
+                continue           # a validation task's group, refused (recorded above)
             if current - (p.group.adapter_version or 0) > self.settings.rollout.max_staleness:
                 self.stale.append(p)
             else:
@@ -263,14 +278,14 @@ class TrainerService:
                     self.batch = chunk + self.batch  # retried with the next fetch
                     raise
                 await self._park_step(chunk, err)
-                parked = True
+                settled += chunk
                 continue
             if self.steps_since_publish >= self.settings.trainer.publish_every:
                 await self.publish(consumer, gate=await self._propose())
         if self.stale:
-            await self._record_stale(consumer)
-        elif parked:
-            await self._commit(consumer)  # parked records are durable: their offsets may move
+            settled += await self._record_stale()
+        settled, self.durable = [*settled, *self.durable], []
+        await self.commits.settled(consumer, settled)
 
     async def _park(self, parked: list[Parked]) -> None:
         """Durably record messages this trainer cannot use; their offsets may then move."""
@@ -348,13 +363,7 @@ class TrainerService:
         async with self.engine.connect() as conn:
             return await registry.candidates_waiting(conn, self.policy) == 0
 
-    async def _commit(self, consumer: AIOKafkaConsumer) -> None:
-        """Up to the first group not yet durable: waiting in the batch, or trained into
-        weights that are not published yet."""
-        await self.offsets.commit(consumer, [(p.tp, p.offset)
-                                             for p in [*self.batch, *self.trained]])
-
-    async def _record_stale(self, consumer: AIOKafkaConsumer) -> None:
+    async def _record_stale(self) -> list[_Pending]:
         """Dropped groups are recorded (and counted) at once; their offsets can then move."""
         async with self.engine.begin() as conn:
             await store.mark_stale(conn, [p.group.group_id for p in self.stale])
@@ -362,8 +371,8 @@ class TrainerService:
         self.stale_since_publish += len(self.stale)
         log.warning("dropped %d stale groups (older than %d versions)", len(self.stale),
                     self.settings.rollout.max_staleness)
-        self.stale = []
-        await self._commit(consumer)
+        dropped, self.stale = self.stale, []
+        return dropped
 
     async def publish(self, consumer: AIOKafkaConsumer | None, *,
                       stage: Literal["sft", "grpo"] = "grpo", demos: int = 0,
@@ -393,11 +402,13 @@ class TrainerService:
             await project(conn, event)  # registers the version (a projection of the event)
             await store.mark_trained(conn, [p.group.group_id for p in self.trained], version)
             await append_events(conn, [event], self.settings.topics)
+        self.durable += self.trained
         self.version, self.trained, self.steps_since_publish = version, [], 0
         self.stale_since_publish = 0
         self.groups_since_candidate = 0 if gate else self.groups_since_candidate + len(ids)
         if consumer is not None:
-            await self._commit(consumer)
+            durable, self.durable = self.durable, []
+            await self.commits.settled(consumer, durable)
         await self._retain()
         log.info("published %s@v%d (%s, %d groups%s)", self.policy, version, stage, len(ids),
                  "" if gate else "; a snapshot for sampling, not proposed to the gate")

@@ -127,13 +127,11 @@ class ValidationPass:
             last = await registry.newest_candidate(conn, self.name)
             waiting = await registry.candidates_waiting(conn, self.name)
             pool = await store.train_task_count(conn)
-        after = st["after_version"] if st else None
-        alarm_curve = [s for s in curve if after is None or (s.version or 0) > after]
         out = select.judge(curve, store.score_of(prod_run), last_proposed=last,
                            margin=v.margin, alpha=v.alpha, window=v.overfit_versions,
-                           rise=v.overfit_train_rise)
-        alarm = select.overfitting(alarm_curve, window=v.overfit_versions,
-                                   rise=v.overfit_train_rise)
+                           rise=v.overfit_train_rise,
+                           alarm_after=st["after_version"] if st else None)
+        alarm = out.overfitting
         events: list[Event] = []
         if out.proposal is not None and waiting == 0:
             p = out.proposal
@@ -154,7 +152,7 @@ class ValidationPass:
             log.info("validation proposes nothing: %s", out.why_not)
         async with self.engine.begin() as conn:
             if alarm is not None and (st is None or st["state"] != "overfitting"):
-                w = alarm_curve[-v.overfit_versions:]
+                w = out.window
                 events.append(OverfittingDetected(
                     aggregate_id=f"{self.name}/validation",
                     payload=OverfittingDetectedPayload(

@@ -146,16 +146,20 @@ def overfitting(curve: list[Score], *, window: int, rise: float) -> str | None:
 
 
 def judge(curve: list[Score], production: Score, *, last_proposed: int | None,
-          margin: float, alpha: float, window: int, rise: float) -> Outcome:
+          margin: float, alpha: float, window: int, rise: float,
+          alarm_after: int | None = None) -> Outcome:
     """After a version was scored: what to propose (if anything) and whether to alarm.
     `curve`: every GRPO version scored, oldest first; `last_proposed`: the newest version
     already proposed to the gate (those up to it are not considered again, and the next
-    proposal must beat it on validation unless it is production)."""
+    proposal must beat it on validation unless it is production); `alarm_after`: the
+    overfitting alarm looks only at versions after it (the newest version when a pause
+    ended: the versions that caused it do not raise it again)."""
     since = [s for s in curve if s.version is not None
              and (last_proposed is None or s.version > last_proposed)]
     previous = next((s for s in curve if s.version == last_proposed), None)
     proposal, why_not = propose(since, production, margin=margin, alpha=alpha,
                                 previous=previous)
-    alarm = overfitting(curve, window=window, rise=rise)
+    watched = [s for s in curve if alarm_after is None or (s.version or 0) > alarm_after]
+    alarm = overfitting(watched, window=window, rise=rise)
     best = best_of(curve, production).version if curve else None
-    return Outcome(proposal, why_not, alarm, best, curve[-window:])
+    return Outcome(proposal, why_not, alarm, best, watched[-window:])

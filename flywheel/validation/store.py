@@ -6,7 +6,6 @@ Adds and flushes in the caller's transaction; never commits.
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
 from sqlalchemy import text
@@ -52,15 +51,13 @@ async def train_rewards(conn: AsyncConnection, versions: list[int]) -> dict[int,
     return {int(v): float(r) for v, r in rows}
 
 
-async def grpo_curve(conn: AsyncConnection, policy: str, after: int | None = None
-                     ) -> list[Score]:
-    """Every GRPO version's newest validation run (after version `after`), oldest first,
-    with its training reward."""
+async def grpo_curve(conn: AsyncConnection, policy: str) -> list[Score]:
+    """Every GRPO version's newest validation run, oldest first, with its training reward."""
     rows = (await conn.execute(text("""SELECT DISTINCT ON (r.version) r.version, r.result
         FROM validation_runs r JOIN adapter_versions a
              ON a.policy = r.policy AND a.version = r.version
-        WHERE r.policy = :p AND a.stage = 'grpo' AND r.version > coalesce(CAST(:a AS int), 0)
-        ORDER BY r.version, r.created_at DESC"""), {"p": policy, "a": after})).all()
+        WHERE r.policy = :p AND a.stage = 'grpo'
+        ORDER BY r.version, r.created_at DESC"""), {"p": policy})).all()
     rewards = await train_rewards(conn, [int(r[0]) for r in rows])
     # A version with no trained group (all stale) has no training reward: not 0.
     return [score_of(EvalRun.from_json(r[1]), rewards.get(int(r[0]))) for r in rows]
@@ -108,14 +105,6 @@ async def train_task_count(conn: AsyncConnection) -> int:
 
 async def validation_count(conn: AsyncConnection) -> int:
     return int((await conn.execute(text("SELECT count(*) FROM validation_tasks"))).scalar_one())
-
-
-async def validation_task_ids(conn: AsyncConnection, task_ids: list[uuid.UUID]
-                              ) -> set[uuid.UUID]:
-    """Which of `task_ids` are validation tasks."""
-    rows = (await conn.execute(text("""SELECT task_id FROM validation_tasks
-        WHERE task_id = ANY(CAST(:ids AS uuid[]))"""), {"ids": task_ids})).scalars()
-    return set(rows)
 
 
 async def paused(conn: AsyncConnection, policy: str, resume_new_tasks: int) -> bool:
