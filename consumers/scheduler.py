@@ -4,14 +4,17 @@ policy is `flywheel.rollout.schedule`).
 Subscribes: nothing (a polling loop every `rollout.scheduler_interval_s`, one scheduler at a
             time by a Postgres advisory lock).
 Reads:      `tasks`, `task_stats`, `rollout_requests`, `rollout_groups` (backlog),
-            `adapter_versions` (the newest version is sampled), `trainer_status`, `baselines`.
+            `adapter_versions` (the newest version is sampled), `trainer_status`, `baselines`,
+            `gate_status`.
 Writes:     `rollout_requests`, `validation_tasks`, `validation_status` (a pause ends),
             `events` + `outbox`.
 Publishes (through the outbox): `RolloutRequested` → `<prefix>.rollout.requests`.
 
 Here the other roles' holds on sampling are bound (the validation split,
 `flywheel.validation.split`; the trainer's warm start, `flywheel.trainer.warm_start`; the
-overfitting pause, `flywheel.validation.store`), and outages are waited out.
+overfitting pause, `flywheel.validation.store`; the gate's activity,
+`flywheel.adapters.registry.gate_activity`, for `rollout.yield_to_gate`), and outages are
+waited out.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import random
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from flywheel.adapters import registry
 from flywheel.config import Settings
 from flywheel.db.engine import make_engine
 from flywheel.errors import describe, is_transient
@@ -48,7 +52,12 @@ def holds(settings: Settings) -> schedule.Holds:
         return await validation_store.paused(conn, settings.policy,
                                              settings.validation.resume_new_tasks)
 
-    return schedule.Holds(set_aside=set_aside, warm_starting=warm, paused=paused)
+    async def gate_busy(conn: AsyncConnection) -> bool:
+        activity = await registry.gate_activity(conn, settings.policy)
+        return activity is not None and activity["state"] == "evaluating"
+
+    return schedule.Holds(set_aside=set_aside, warm_starting=warm, paused=paused,
+                          gate_busy=gate_busy)
 
 
 async def schedule_once(engine: AsyncEngine, settings: Settings, rng: random.Random) -> int:

@@ -134,6 +134,12 @@ class RolloutSettings(BaseModel):
     group is recorded, never past one still in flight): concurrent groups share the local
     engine's forwards, and vLLM needs many sequences in flight. Admission still holds the
     untrained backlog, these groups included, under max_staleness × B."""
+    yield_to_gate: bool = False
+    """Request no new groups while the gate evaluates a candidate (its heartbeat live): on
+    one machine where the gate and rollouts share the cores (the local engine), the decision
+    comes first and, with `stack.cores_dir`, gets every core; groups in flight finish and the
+    trainer trains what it has. A stopped gate (stale heartbeat) holds nothing. Off by
+    default: with vLLM the engine batches the gate's and the rollouts' sequences together."""
     local_batch_rows: int = Field(default=32, ge=1)
     """Most rows (sequences) in one forward pass of the local engine when concurrent
     requests share it; bounds the keys/values it holds at once (~45 KiB a token a row for
@@ -543,7 +549,8 @@ class ValidationSettings(BaseModel):
     """A GRPO version is proposed when its validation success beats production's on the
     same tasks by at least this much (absolute) ..."""
     alpha: float = Field(default=0.2, gt=0.0, le=0.5)
-    """... and a one-sided paired test over the tasks has p ≤ alpha: a loose screen, since
+    """... and a one-sided exact McNemar test over the attempt pairs (same task, index and
+    seed) has p ≤ alpha: a loose screen, since
     the gate's holdout test decides; it only spares the gate versions with no sign of a
     gain."""
     overfit_versions: int = Field(default=4, ge=2)

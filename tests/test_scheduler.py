@@ -113,3 +113,28 @@ async def test_a_refused_postgres_is_waited_out_not_an_exit(settings: Settings) 
     assert not task.done(), task.exception() if task.done() else None
     stop.set()
     await asyncio.wait_for(task, 5)
+
+
+async def test_rollouts_yield_to_a_gate_evaluating_on_the_same_cores(
+        settings: Settings, db_url: str) -> None:
+    from flywheel.gate.progress import write_status
+
+    s = settings.model_copy(update={
+        "rollout": RolloutSettings(max_staleness=2, train_batch_groups=3, yield_to_gate=True),
+        "trainer": settings.trainer.model_copy(update={"stages": "grpo_only"})})
+    engine = make_engine(db_url)
+    async with engine.begin() as conn:
+        records = simulate(600, agents=1, failure_rate=0.6, seed=7)
+        await mine_batch(conn, [parse_trajectory(r) for r in records], holdout_fraction=0.2,
+                         topics=s.topics)
+        await write_status(conn, s.policy, state="evaluating", version=2)
+    rng = random.Random(0)
+    assert await schedule_once(engine, s, rng) == 0  # the gate decides first
+    off = s.model_copy(update={"rollout": s.rollout.model_copy(
+        update={"yield_to_gate": False})})
+    assert await schedule_once(engine, off, rng) == 6  # not asked to yield: the budget
+    async with engine.begin() as conn:  # a gate that stopped beating holds nothing
+        await conn.execute(text("DELETE FROM rollout_requests"))
+        await conn.execute(text("UPDATE gate_status SET updated_at = now() - interval '1 hour'"))
+    assert await schedule_once(engine, s, rng) == 6
+    await engine.dispose()

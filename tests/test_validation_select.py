@@ -71,7 +71,24 @@ def test_sign_test_and_paired_gain_by_hand() -> None:
     a = Score(2, {"x": [True, True], "y": [False, False], "z": [True, False]})
     b = Score(1, {"x": [False, False], "y": [False, False], "z": [True, False], "w": [True]})
     pr = paired_gain(a, b)  # only the tasks both were scored on
-    assert pr.tasks == 3 and abs(pr.gain - 1 / 3) < 1e-9 and pr.p_value == 0.5
+    # Attempt pairs: x gains both of its attempts, z's pairs agree: 2 gained, 0 lost.
+    assert pr.tasks == 3 and abs(pr.gain - 1 / 3) < 1e-9
+    assert (pr.wins, pr.losses, pr.p_value) == (2, 0, 0.25)
+    # Pairs are by sample index (same seed): a swapped order is a gain and a loss.
+    c = Score(3, {"z": [False, True]})
+    assert (paired_gain(c, b).wins, paired_gain(c, b).losses) == (1, 1)
+
+
+def test_a_small_saturated_split_can_still_propose() -> None:
+    # The seed-1 demo: 8 validation tasks × 2 attempts, production v1 fails 2 attempts of
+    # one task (0.875); a version that solves everything (1.000). A sign test over tasks
+    # saw 1 task won (p 0.5 > 0.3); the attempt pairs are 2 gained, none lost (p 0.25).
+    tasks = [f"v{i}" for i in range(8)]
+    prod = Score(1, {t: [i > 0, i > 0] for i, t in enumerate(tasks)})
+    best = Score(5, {t: [True, True] for t in tasks}, 0.9)
+    out = judge([best], prod, last_proposed=1, margin=0.02, alpha=0.3, window=4, rise=0.05)
+    assert out.proposal is not None and out.proposal.version == 5
+    assert out.proposal.paired.p_value == 0.25
 
 
 def test_a_version_below_production_is_never_proposed() -> None:

@@ -139,6 +139,11 @@ DEMO_ENV = {
     "FLYWHEEL_VALIDATION__SAMPLES": "2",
     "FLYWHEEL_VALIDATION__TEMPERATURE": "0.7",
     "FLYWHEEL_VALIDATION__ALPHA": "0.3",
+    # Cores follow the work (docs/BENCHMARKS.md, "Cores follow the work"): the demo's stack
+    # has the machine to itself, so each torch service sizes its threads to its share of
+    # the cores among those busy (`stack.cores_dir`, set below under the demo's home), and
+    # rollouts wait while the gate evaluates a candidate, so the decision gets every core.
+    "FLYWHEEL_ROLLOUT__YIELD_TO_GATE": "true",
 }
 
 
@@ -156,6 +161,7 @@ def _demo_settings(base: Settings) -> Settings:
     shutil.rmtree(home, ignore_errors=True)
     for key, value in DEMO_ENV.items():
         os.environ.setdefault(key, value)
+    os.environ.setdefault("FLYWHEEL_STACK__CORES_DIR", str((home / "cores").resolve()))
     os.environ.update({"FLYWHEEL_HOME": str(home.resolve()),
                        "FLYWHEEL_KAFKA__LOCAL_PORT": str(free_port()),
                        "FLYWHEEL_DB__LOCAL_PORT": str(free_port()),

@@ -7,7 +7,8 @@ pick itself is `flywheel.rollout.select`. What other roles say about sampling co
 the trainer nor the validation pass; `consumers.scheduler` binds them): the validation
 split is topped up before picking (tasks never sampled for training), nothing is requested
 while the trainer's warm start is under way (those groups would come from a policy about to
-be replaced), nor while the validation pass reports overfitting (until the miner adds tasks).
+be replaced), nor while the validation pass reports overfitting (until the miner adds tasks),
+nor (`rollout.yield_to_gate`) while the gate evaluates a candidate on the same cores.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class Holds:
     """With no adapter version yet: is the trainer's first stage still being settled?"""
     paused: Check
     """Is sampling paused for overfitting (more tasks, not more steps)?"""
+    gate_busy: Check
+    """Is the gate evaluating a candidate, with a live heartbeat?"""
 
 
 async def schedule_once(engine: AsyncEngine, settings: Settings, rng: random.Random,
@@ -64,6 +67,8 @@ async def schedule_once(engine: AsyncEngine, settings: Settings, rng: random.Ran
             return 0
         if await holds.paused(conn):
             return 0  # overfitting: more tasks, not more steps (docs/VALIDATION.md)
+        if cfg.yield_to_gate and await holds.gate_busy(conn):
+            return 0  # the decision first: the gate has the cores (rollout.yield_to_gate)
         picked = pick_tasks(await store.candidate_stats(conn, cfg.envs), room, rng,
                             explore_share=cfg.explore_share, min_attempts=cfg.group_size)
         await store.request_rollouts(conn, picked, version, settings.topics)

@@ -1,12 +1,14 @@
 """Which version to propose, and when training has stopped generalising: pure functions.
 
 A version's validation score is its success per validation task and sample index (fixed
-seeds, so two versions pair up by task). The proposal screen is a one-sided exact sign test
-over the tasks on which the two versions differ (McNemar's test when there is one attempt
-per task): exact at any number of tasks, and paired, so the tasks both solve or both fail
-cost nothing. It runs at a loose level (`validation.alpha`, 0.2): it only spares the gate
-versions that show no sign of a gain; the gate's holdout test still decides, untouched by
-this choice.
+seeds, so two versions' attempts pair up by task and index). The proposal screen is the
+gate's exact McNemar test over those attempt pairs: the pairs on which the two versions
+differ, one-sided. It is exact at any size and paired, so what both solve or both fail costs
+nothing; attempts of one task are not independent, which is why the screen runs at a loose
+level (`validation.alpha`, 0.2) and only spares the gate versions that show no sign of a
+gain; the gate's holdout test still decides, untouched by this choice. (A sign test over
+tasks could not pass on a small split: on 8 tasks where production fails one, no version
+can reach p < 0.5.)
 """
 
 from __future__ import annotations
@@ -53,18 +55,22 @@ class Paired:
     production: float
     gain: float
     p_value: float
+    wins: int = 0
+    """Attempt pairs the candidate solved and production did not."""
+    losses: int = 0
 
 
 def paired_gain(candidate: Score, production: Score) -> Paired:
-    """Candidate against production on the tasks both were scored on."""
+    """Candidate against production on the tasks both were scored on: success rates (each
+    task weighs the same) and the McNemar test over their attempt pairs (same task, same
+    sample index, same seed)."""
     tasks = common_tasks(candidate, production)
     c, p = rate_on(candidate, tasks), rate_on(production, tasks)
     wins = losses = 0
     for t in tasks:
-        d = (sum(candidate.success[t]) / len(candidate.success[t])
-             - sum(production.success[t]) / len(production.success[t]))
-        wins, losses = wins + (d > 0), losses + (d < 0)
-    return Paired(len(tasks), c, p, c - p, sign_test(wins, losses))
+        for mine, theirs in zip(candidate.success[t], production.success[t], strict=False):
+            wins, losses = wins + (mine and not theirs), losses + (theirs and not mine)
+    return Paired(len(tasks), c, p, c - p, sign_test(wins, losses), wins, losses)
 
 
 @dataclass(frozen=True)
@@ -114,7 +120,8 @@ def propose(since: list[Score], production: Score, *, margin: float, alpha: floa
     vs = "the base model" if production.version is None else f"v{production.version}"
     said = (f"v{best.version} (best of v{considered[0]}–v{considered[-1]} on validation) "
             f"{pr.candidate:.3f} vs {vs} {pr.production:.3f} on {pr.tasks} validation tasks: "
-            f"gain {pr.gain:+.3f}, sign-test p {pr.p_value:.3f}")
+            f"gain {pr.gain:+.3f}, {pr.wins} attempts gained, {pr.losses} lost, McNemar "
+            f"p {pr.p_value:.3f}")
     if pr.tasks == 0:
         return None, f"v{best.version} and {vs} share no scored validation task"
     if pr.gain < margin:
