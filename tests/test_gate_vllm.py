@@ -91,7 +91,8 @@ async def test_the_gate_promotes_through_vllm_and_serving_follows_on_every_repli
     try:
         # (e) the gate: candidate v1 against the base model, both sampled by vLLM.
         events = await GateService(settings, engine, policy).evaluate_version(1)
-        assert [e.type for e in events] == ["AdapterEvaluated", "AdapterPromoted"]
+        failed = [c for c in getattr(events[0].payload, "checks", []) if not c.passed]
+        assert [e.type for e in events] == ["AdapterEvaluated", "AdapterPromoted"], failed
         async with engine.connect() as conn:
             record = (await conn.execute(text(
                 "SELECT record FROM evaluations WHERE version = 1"))).scalar_one()
