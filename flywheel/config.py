@@ -518,9 +518,10 @@ class StackSettings(BaseModel):
     torch's threads to its share of the cores among those busy at that moment
     (`flywheel.policy.cores`): alone at work, every core. Unset (the default) = no sharing:
     the fixed split of `flywheel up` (OMP_NUM_THREADS = cores // 3). Opt in only on a
-    machine the stack has to itself: it counts only the stack's torch services, and on a
-    2-core machine loaded by other work two OpenMP threads ran a group 6× slower than one
-    (docs/BENCHMARKS.md)."""
+    machine the stack has to itself (`flywheel demo` does, under its home): it counts only
+    the stack's torch services. On a quiet 2-core machine a gate round alone ran 1.4–1.9×
+    faster at 2 threads than at 1; on one loaded by other work two OpenMP threads ran a
+    group 6× slower than one (docs/BENCHMARKS.md)."""
 
 
 class ValidationSettings(BaseModel):
