@@ -35,9 +35,13 @@ FailureMode = Literal["invalid_format", "wrong_tool", "bad_arguments", "hallucin
                       "unsafe_action", "tool_error", "timeout", "incomplete", "escalated",
                       "other"]
 FAILURE_MODES: tuple[str, ...] = FailureMode.__args__  # type: ignore[attr-defined]
-AttemptFailure = FailureMode | Literal["empty", "truncated"]
+AttemptOnlyFailure = Literal["empty", "truncated"]
+AttemptFailure = FailureMode | AttemptOnlyFailure
 """Why one attempt failed: a task's failure modes, and two that only an attempt can have —
 `empty` (it answered nothing: an abstention) and `truncated` (cut by `max_tokens`)."""
+ATTEMPT_FAILURES: tuple[str, ...] = (
+    *FAILURE_MODES, *AttemptOnlyFailure.__args__)  # type: ignore[attr-defined]
+"""Every failure mode an attempt can have (`AttemptFailure`, in order)."""
 NotRunKind = Literal["crash", "sandbox", "judge_unavailable", "verifier_timeout"]
 """Infrastructure failures: the attempt could not be scored, through no fault of the model."""
 Split = Literal["train", "holdout"]

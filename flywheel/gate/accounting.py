@@ -20,10 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from flywheel.events import GateMetrics
-from flywheel.tasks import FAILURE_MODES
-
-ATTEMPT_FAILURES: tuple[str, ...] = (*FAILURE_MODES, "empty", "truncated")
-"""Every failure mode an attempt can have; the decision record counts each on both sides."""
+from flywheel.tasks import ATTEMPT_FAILURES  # the decision record counts each, both sides
 
 
 @dataclass(frozen=True)
