@@ -194,6 +194,8 @@ class GateService:
         found = await asyncio.to_thread(canaries.run, holdout.tasks,
                                         self.settings.gate.canary_tasks, load_environment)
         train = await self._train_run(version, holdout.eval_set_version)
+        async with self.engine.connect() as conn:
+            how = await registry.selected_by(conn, self.name, version)
         for _ in range(3):
             async with self.engine.connect() as conn:
                 production = await registry.production_version(conn, self.name)
@@ -207,8 +209,6 @@ class GateService:
             payload = decision_payload(self.settings, version, production,
                                        holdout.eval_set_version, candidate, baseline, probe,
                                        found, train, candidate_number=k, rounds=timings)
-            async with self.engine.connect() as conn:
-                how = await registry.selected_by(conn, self.name, version)
             payload = payload.model_copy(update={"selected_by": how})
             try:
                 async with self.engine.begin() as conn:
