@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import asyncpg
 import pytest
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from consumers.scheduler import schedule_once
 from flywheel.config import RolloutSettings, Settings
@@ -19,16 +21,25 @@ from flywheel.trajectory import parse_trajectory
 pytestmark = [pytest.mark.postgres]
 
 
+def grpo_only(settings: Settings, **rollout: Any) -> Settings:
+    """GRPO from the base model (no warm start to wait for), a budget of 2 versions × 3."""
+    return settings.model_copy(update={
+        "rollout": RolloutSettings(max_staleness=2, train_batch_groups=3, **rollout),
+        "trainer": settings.trainer.model_copy(update={"stages": "grpo_only"})})
+
+
+async def mine(conn: AsyncConnection, s: Settings, n: int, agents: int, seed: int) -> None:
+    records = simulate(n, agents=agents, failure_rate=0.6, seed=seed)
+    await mine_batch(conn, [parse_trajectory(r) for r in records], holdout_fraction=0.2,
+                     topics=s.topics)
+
+
 async def test_requests_stay_within_staleness_budget(settings: Settings, db_url: str,
                                                      pg_dsn: str) -> None:
-    s = settings.model_copy(update={
-        "rollout": RolloutSettings(max_staleness=2, train_batch_groups=3),
-        "trainer": settings.trainer.model_copy(update={"stages": "grpo_only"})})
+    s = grpo_only(settings)
     engine = make_engine(db_url)
     async with engine.begin() as conn:
-        records = simulate(1500, agents=3, failure_rate=0.6, seed=31)
-        await mine_batch(conn, [parse_trajectory(r) for r in records], holdout_fraction=0.2,
-                         topics=s.topics)
+        await mine(conn, s, 1500, agents=3, seed=31)
         await freeze_eval_set(conn, s.topics)
     rng = random.Random(0)
     assert await schedule_once(engine, s, rng) == 6  # budget: 2 versions × 3 groups
@@ -119,14 +130,10 @@ async def test_rollouts_yield_to_a_gate_evaluating_on_the_same_cores(
         settings: Settings, db_url: str) -> None:
     from flywheel.gate.progress import write_status
 
-    s = settings.model_copy(update={
-        "rollout": RolloutSettings(max_staleness=2, train_batch_groups=3, yield_to_gate=True),
-        "trainer": settings.trainer.model_copy(update={"stages": "grpo_only"})})
+    s = grpo_only(settings, yield_to_gate=True)
     engine = make_engine(db_url)
     async with engine.begin() as conn:
-        records = simulate(600, agents=1, failure_rate=0.6, seed=7)
-        await mine_batch(conn, [parse_trajectory(r) for r in records], holdout_fraction=0.2,
-                         topics=s.topics)
+        await mine(conn, s, 600, agents=1, seed=7)
         await write_status(conn, s.policy, state="evaluating", version=2)
     rng = random.Random(0)
     assert await schedule_once(engine, s, rng) == 0  # the gate decides first
