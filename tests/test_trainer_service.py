@@ -180,3 +180,59 @@ async def test_grpo_versions_are_proposed_to_the_gate_only_when_worth_evaluating
         update={"propose_min_groups": 0})}), engine)
     assert await zero._propose()  # every version proposed (the gate skips superseded ones)
     await engine.dispose()
+
+
+class Seeks(Commits):
+    """Commits, and the consumer's seeks (a rewind)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seeks: list[tuple[TopicPartition, int]] = []
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self.seeks.append((tp, offset))
+
+
+async def test_transient_failures_never_skip_nor_stall_the_commit(
+        settings: Settings, db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flywheel.events import AdapterRejected, AdapterRejectedPayload
+
+    s = settings.model_copy(update={"rollout": settings.rollout.model_copy(
+        update={"train_batch_groups": 2})})
+    engine = make_engine(db_url)
+    service = TrainerService(s, engine)
+    task = uuid.uuid4()
+    other = AdapterRejected(aggregate_id="x", payload=AdapterRejectedPayload(
+        policy="p", version=1, evaluation_id=None, actor="gate", reason="no"))
+    fetch = [Record("r", 0, 0, other.model_dump_json().encode()),
+             *[Record("r", 0, i, GroupScored(aggregate_id="x", payload=_group(task, None))
+                      .model_dump_json().encode()) for i in (1, 2)]]
+
+    # Postgres refuses while the fetch is taken: rewound to its first record, nothing
+    # committed, nothing kept (it is fetched again).
+    async def refused(ids: list[uuid.UUID]) -> set[uuid.UUID]:
+        raise ConnectionRefusedError("postgres is restarting")
+
+    monkeypatch.setattr(service, "_already_consumed", refused)
+    consumer = Seeks()
+    with pytest.raises(ConnectionRefusedError):
+        await service.on_records(fetch, consumer)
+    assert consumer.seeks == [(TopicPartition("r", 0), 0)] and consumer.calls == []
+    assert service.batch == []
+    monkeypatch.undo()
+
+    # Fetched again; the step fails transiently: its groups wait for the next fetch, and the
+    # record that needed nothing is committed now (the commit does not stall behind it).
+    async def no_refusal(items: list[Any]) -> set[uuid.UUID]:
+        return set()
+
+    async def outage(chunk: list[Any]) -> None:
+        raise ConnectionRefusedError("postgres is restarting")
+
+    monkeypatch.setattr(service, "_refuse_validation", no_refusal)
+    monkeypatch.setattr(service, "_step", outage)
+    with pytest.raises(ConnectionRefusedError):
+        await service.on_records(fetch, consumer)
+    assert [p.offset for p in service.batch] == [1, 2]
+    assert consumer.calls == [{TopicPartition("r", 0): 1}]
+    await engine.dispose()

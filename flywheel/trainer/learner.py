@@ -34,7 +34,7 @@ from flywheel.errors import InvalidRecord, failure_of, is_transient
 from flywheel.events import AdapterTrained, AdapterTrainedPayload, GroupScored
 from flywheel.policy.cores import CoreShare, run_shared
 from flywheel.runtime.commits import OrderedCommits, Positioned
-from flywheel.runtime.consume import RetryPolicy, read_event, transiently
+from flywheel.runtime.consume import RetryPolicy, read_event, rewind, transiently
 from flywheel.trainer import store
 from flywheel.trainer.baseline_wait import wait_for_baseline
 from flywheel.trainer.grpo import GRPOConfig
@@ -236,25 +236,61 @@ class TrainerService:
 
     async def on_records(self, records: Sequence[ConsumerRecord[bytes, bytes]],
                          consumer: AIOKafkaConsumer) -> None:
-        """Take a fetch of `GroupScored` records; train and publish as batches fill."""
+        """Take a fetch of `GroupScored` records; train and publish as batches fill.
+
+        A transient failure while taking the fetch rewinds to it (fetched again, never
+        skipped); one during a step keeps its groups for the next fetch. Either way, what
+        is settled is committed as far as the order allows."""
         self.commits.open(records)
-        items, unreadable = [], []
         settled: list[Positioned] = []  # nothing left to do for these once this fetch ends
+        try:
+            await self._take(records, settled)
+        except Exception:
+            rewind(consumer, records)
+            raise
+        try:
+            b = self.settings.rollout.train_batch_groups
+            while len(self.batch) >= b:
+                chunk, self.batch = self.batch[:b], self.batch[b:]
+                try:
+                    await self._step(chunk)
+                except Exception as err:
+                    if is_transient(err):
+                        self.batch = chunk + self.batch  # retried with the next fetch
+                        raise
+                    await self._park_step(chunk, err)
+                    settled += chunk
+                    continue
+                if self.steps_since_publish >= self.settings.trainer.publish_every:
+                    await self.publish(consumer, gate=await self._propose())
+            if self.stale:
+                settled += await self._record_stale()
+        finally:
+            settled, self.durable = [*settled, *self.durable], []
+            await self.commits.settled(consumer, settled)
+
+    async def _take(self, records: Sequence[ConsumerRecord[bytes, bytes]],
+                    settled: list[Positioned]) -> None:
+        """Read a fetch: park what cannot be read, skip groups already trained or of
+        validation tasks (those settle now), and put the rest in the batch or the stale
+        list."""
+        items, unreadable, unreadable_records = [], [], []
         for r in records:
-            tp = TopicPartition(r.topic, r.partition)
             try:
                 event = read_event(r)
             except InvalidRecord as err:  # parked below: it cannot hold up the groups after it
                 unreadable.append(Parked("trainer", r.topic, r.partition, r.offset, r.key,
                                          r.value or b"", failure_of(err)))
-                settled.append(r)
+                unreadable_records.append(r)
                 continue
             if isinstance(event, GroupScored) and event.payload.trainable:
-                items.append(_Pending(tp, r.offset, event.payload))
+                items.append(_Pending(TopicPartition(r.topic, r.partition), r.offset,
+                                      event.payload))
             else:
                 settled.append(r)  # not a group to train on
         if unreadable:
             await self._park(unreadable)
+            settled += unreadable_records
         if items:
             self.status.last_group_at = time.monotonic()
         done = await self._already_consumed([p.group.group_id for p in items])
@@ -268,24 +304,6 @@ class TrainerService:
                 self.stale.append(p)
             else:
                 self.batch.append(p)
-        b = self.settings.rollout.train_batch_groups
-        while len(self.batch) >= b:
-            chunk, self.batch = self.batch[:b], self.batch[b:]
-            try:
-                await self._step(chunk)
-            except Exception as err:
-                if is_transient(err):
-                    self.batch = chunk + self.batch  # retried with the next fetch
-                    raise
-                await self._park_step(chunk, err)
-                settled += chunk
-                continue
-            if self.steps_since_publish >= self.settings.trainer.publish_every:
-                await self.publish(consumer, gate=await self._propose())
-        if self.stale:
-            settled += await self._record_stale()
-        settled, self.durable = [*settled, *self.durable], []
-        await self.commits.settled(consumer, settled)
 
     async def _park(self, parked: list[Parked]) -> None:
         """Durably record messages this trainer cannot use; their offsets may then move."""
