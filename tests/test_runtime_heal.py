@@ -34,6 +34,7 @@ from producers.sdk import FlywheelClient
 pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.slow]
 
 N = 5000
+ACK_SEEN_LAG_S = 2.0
 LOG_MAX = 64 * 1024
 
 
@@ -266,8 +267,12 @@ async def test_broker_killed_loses_at_most_what_ingest_had_not_consumed(stack: S
     lost = wanted - got
     run = stack.run()
     # Acknowledged before the new broker started: by the killed one (an ack it sent just
-    # before the kill can arrive just after it), so possibly lost with it.
-    at_risk = pub.acked_before_wall(run["broker"]["started_at"])
+    # before the kill can arrive just after it), so possibly lost with it. ACK_SEEN_LAG_S:
+    # the clients see an ack later than the broker sent it (the SDK's counter is sampled
+    # every 20 ms; the gateway's 202 waits on the API's event loop), by seconds on a loaded
+    # machine — a CI run beside other jobs counted 9 of 1,609 lost records as acknowledged
+    # after the new broker started.
+    at_risk = pub.acked_before_wall(run["broker"]["started_at"] + ACK_SEEN_LAG_S)
     loss = run["broker"]["losses"][-1]
     print(f"broker kill: readyz 200 again after {ready_s:.1f}s; {len(at_risk)} acknowledged "
           f"before the kill, {len(lost)} lost (the last lag read said ingest was "
