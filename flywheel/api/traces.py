@@ -11,9 +11,11 @@ last); a span that comes after that re-sends the whole group, which ingest store
 of the smaller one.
 Exports are stored one at a time (a transaction-scoped advisory lock): two exports of one
 conversation at once would each see only their own new spans and publish two partial groups.
-The lock is held for the few statements of one store (measured by `flywheel bench otlp`).
-Spans of a trajectory whose last span is older than `ingest.otel_span_retention_s` are
-deleted (at most once every `PRUNE_EVERY_S` per API process).
+The lock is held for the few statements of one store (its cost on `flywheel bench otlp` is
+not measured yet). Spans of a trajectory whose last span is older than
+`ingest.otel_span_retention_s` are deleted, at most once every `PRUNE_EVERY_S` per API
+process, in the background (off the request): the scan for idle trajectories runs without
+the lock, and only the delete, which checks again that each is still idle, takes it.
 Everything is decided by ingest's boundary (`validate_record`): a span it cannot read is
 published as it came, so ingest dead-letters it with its reason, and the answer is OTLP's
 partial success naming how many spans were refused and why. Re-sending an export is safe:
@@ -56,9 +58,11 @@ log = logging.getLogger("flywheel.api")
 PRUNE_EVERY_S = 600.0
 _STORE_LOCK = 0x6F746C7073  # pg_advisory_xact_lock key of span storing ("otlps")
 _LOCK = text("SELECT pg_advisory_xact_lock(:key)")
+_IDLE = text("""SELECT trajectory_id FROM otel_spans GROUP BY 1
+    HAVING max(received_at) < now() - make_interval(secs => :age)""")
 _PRUNE = text("""DELETE FROM otel_spans WHERE trajectory_id IN (
-    SELECT trajectory_id FROM otel_spans GROUP BY 1
-    HAVING max(received_at) < now() - make_interval(secs => :age))""")
+    SELECT trajectory_id FROM otel_spans WHERE trajectory_id = ANY(CAST(:ids AS uuid[]))
+    GROUP BY 1 HAVING max(received_at) < now() - make_interval(secs => :age))""")
 _KNOWN = text("SELECT DISTINCT trace_id, trajectory_id FROM otel_spans "
               "WHERE trace_id = ANY(CAST(:traces AS text[]))")
 _INSERT = text("""INSERT INTO otel_spans (trajectory_id, trace_id, span_id, is_root, span)
@@ -128,22 +132,37 @@ async def store_spans(engine: AsyncEngine, spans: list[dict[str, Any]]
 
 
 async def prune_spans(engine: AsyncEngine, older_than_s: float) -> int:
-    """Delete the spans of every trajectory whose last span came over `older_than_s` ago."""
+    """Delete the spans of every trajectory whose last span came over `older_than_s` ago.
+    The table scan holds no lock; the delete holds the store lock and checks again, so a
+    span stored meanwhile keeps its trajectory."""
+    async with engine.connect() as conn:
+        ids = list((await conn.execute(_IDLE, {"age": older_than_s})).scalars())
+    if not ids:
+        return 0
     async with engine.begin() as conn:
         await conn.execute(_LOCK, {"key": _STORE_LOCK})
-        return (await conn.execute(_PRUNE, {"age": older_than_s})).rowcount or 0
+        return (await conn.execute(_PRUNE, {"ids": ids, "age": older_than_s})).rowcount or 0
 
 
-async def _maybe_prune(request: Request, older_than_s: float) -> None:
+def _maybe_prune(request: Request, older_than_s: float) -> None:
+    """Start a prune in the background when the last one is `PRUNE_EVERY_S` old."""
     state = request.app.state
     now = time.monotonic()
     if now < getattr(state, "otel_prune_at", 0.0):
         return
     state.otel_prune_at = now + PRUNE_EVERY_S
-    deleted = await prune_spans(state.db, older_than_s)
-    if deleted:
-        log.info("OTLP: deleted %d spans of trajectories idle for over %.0f s "
-                 "(ingest.otel_span_retention_s)", deleted, older_than_s)
+
+    async def prune() -> None:
+        try:
+            deleted = await prune_spans(state.db, older_than_s)
+        except Exception as err:  # retried at the next interval; never fails an export
+            log.warning("OTLP: pruning idle spans failed (%s)", err)
+            return
+        if deleted:
+            log.info("OTLP: deleted %d spans of trajectories idle for over %.0f s "
+                     "(ingest.otel_span_retention_s)", deleted, older_than_s)
+
+    state.otel_prune = asyncio.create_task(prune())  # held: a task nobody holds may vanish
 
 
 def to_publish(groups: dict[uuid.UUID, list[dict[str, Any]]],
@@ -201,7 +220,7 @@ def traces_router() -> APIRouter:
             except BadExport as err:
                 raise HTTPException(400, str(err)) from None
             good, bad = split_spans(spans)
-            await _maybe_prune(request, settings.ingest.otel_span_retention_s)
+            _maybe_prune(request, settings.ingest.otel_span_retention_s)
             groups = await store_spans(request.app.state.db, good)
             records, refused, reasons = await asyncio.to_thread(
                 to_publish, groups, bad, ParseContext(token_agent=principal.agent),

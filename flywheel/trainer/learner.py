@@ -118,7 +118,6 @@ class TrainerService:
         self.batch: list[_Pending] = []       # received, waiting for a full batch
         self.trained: list[_Pending] = []     # trained since the last publication
         self.stale: list[_Pending] = []       # dropped as stale since the last publication
-        self.durable: list[_Pending] = []     # published without a consumer to commit with
         self.commits = OrderedCommits(logger=log)
         """Every fetched record is open until its effect is durable: parked, refused, already
         trained, dropped as stale (at once) or trained into a published version."""
@@ -266,7 +265,6 @@ class TrainerService:
             if self.stale:
                 settled += await self._record_stale()
         finally:
-            settled, self.durable = [*settled, *self.durable], []
             await self.commits.settled(consumer, settled)
 
     async def _take(self, records: Sequence[ConsumerRecord[bytes, bytes]],
@@ -396,7 +394,9 @@ class TrainerService:
                       stage: Literal["sft", "grpo"] = "grpo", demos: int = 0,
                       gate: bool = True) -> int:
         """Write the adapter atomically, register it, emit AdapterTrained, then commit.
-        `gate` False: a snapshot for sampling, not proposed to the gate."""
+        `gate` False: a snapshot for sampling, not proposed to the gate. `consumer` None
+        only for the warm start, which runs before any group is fetched (none to commit)."""
+        assert consumer is not None or not self.trained, "trained groups need their commit"
         version = (self.version or 0) + 1
         self.store.staging_dir.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".staging-v{version}-",
@@ -420,13 +420,12 @@ class TrainerService:
             await project(conn, event)  # registers the version (a projection of the event)
             await store.mark_trained(conn, [p.group.group_id for p in self.trained], version)
             await append_events(conn, [event], self.settings.topics)
-        self.durable += self.trained
-        self.version, self.trained, self.steps_since_publish = version, [], 0
+        published, self.trained = self.trained, []
+        self.version, self.steps_since_publish = version, 0
         self.stale_since_publish = 0
         self.groups_since_candidate = 0 if gate else self.groups_since_candidate + len(ids)
         if consumer is not None:
-            durable, self.durable = self.durable, []
-            await self.commits.settled(consumer, durable)
+            await self.commits.settled(consumer, published)
         await self._retain()
         log.info("published %s@v%d (%s, %d groups%s)", self.policy, version, stage, len(ids),
                  "" if gate else "; a snapshot for sampling, not proposed to the gate")
