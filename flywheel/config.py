@@ -140,6 +140,12 @@ class RolloutSettings(BaseModel):
     comes first and, with `stack.cores_dir`, gets every core; groups in flight finish and the
     trainer trains what it has. A stopped gate (stale heartbeat) holds nothing. Off by
     default: with vLLM the engine batches the gate's and the rollouts' sequences together."""
+    prefix_attention: bool = True
+    """Local engine: rows of a batch that start alike (a group's G rows, a gate round's
+    tasks under one system prompt and tool schemas) read the keys/values of their common
+    start once per decode step for the whole batch, not once per row
+    (`flywheel.policy.prefix_attention`): the same softmax, rounded differently (off =
+    bit for bit what `generate` samples). vLLM shares prefixes itself: ignored there."""
     local_batch_rows: int = Field(default=32, ge=1)
     """Most rows (sequences) in one forward pass of the local engine when concurrent
     requests share it; bounds the keys/values it holds at once (~45 KiB a token a row for
@@ -155,6 +161,13 @@ class RolloutSettings(BaseModel):
     """B: groups per trainer step; admission keeps the backlog under max_staleness × B."""
     explore_share: float = Field(default=0.25, ge=0, le=1)
     """Share of requests for tasks with too few attempts to judge their difficulty."""
+    min_signal: float = Field(default=0.1, ge=0, lt=1)
+    """Skip a task whose next group would have both outcomes (be trainable) with a chance
+    under this, estimated from its record and a prior pooled over its stratum
+    (`flywheel.rollout.select`): at 0.1, a task solved in all 8 attempts of its one group,
+    in a stratum mostly solved, is not sampled again (one trainable group in ten or more
+    would be the price); the cores go to the trainer and the gate. 0 = request whatever
+    fits the budget, as before."""
     retire_after: int = 32
     """Attempts after which an always- or never-solved task is retired."""
     scheduler_interval_s: float = 1.0
@@ -231,6 +244,19 @@ class TrainerSettings(BaseModel):
     """Learning rate of the SFT warm start (GRPO continues with `lr` and a fresh optimizer)."""
     sft_max_demos: int = 2000
     """Most demonstrations read for the warm start."""
+    sft_balance: Literal["tool", "none"] = "tool"
+    """How the warm start's batches draw demonstrations: `tool` gives every called tool (or
+    combination) the same share of each batch, `none` draws them as they come. Logs are
+    rarely balanced: on the demo's traffic 105 of 111 demonstrations called one tool
+    (requests that differ by a ticket number each make a demonstration; the few weather
+    and email requests dedupe to six), and SFT drawn as they come taught the policy to call
+    that tool for every request, leaving GRPO all-failure groups on the others."""
+    sft_reserve_share: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Share of task fingerprints the SFT warm start does not train on (deterministic by
+    fingerprint, independent of the holdout split): their train tasks reach GRPO unseen.
+    A warm start on every task GRPO samples leaves it groups that are all successes
+    (nothing to learn), and what SFT memorised says little of unseen requests — the ones
+    the holdout measures. 0 trains SFT on every admitted demonstration."""
     baseline_wait_s: float = 900.0
     """How long the first training waits for the gate's baseline to appear. While the gate
     reports a baseline in progress it keeps waiting past this; after it, with no baseline

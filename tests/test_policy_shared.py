@@ -8,6 +8,9 @@ a batch of prompts of different lengths (`generate` runs the short ones left-pad
 path unpadded) and a prompt continued from a cached start (its tail attends to cached keys in a
 separate pass). There every token is the same and the log-probs agree to float32 rounding
 (measured on ~2,000 tokens: no token differed, log-probs ≤ 1.9e-5 apart; asserted < 1e-4).
+So does the default engine's shared-prefix attention (`flywheel.policy.prefix_attention`:
+the rows' common start attended once for the whole batch, merged by log-sum-exp), which the
+bit-for-bit cases turn off (`prefix_attention=False`).
 """
 
 from __future__ import annotations
@@ -48,8 +51,18 @@ async def reference(model_dir: Path) -> AsyncIterator[local.LocalPolicy]:
 
 @pytest.fixture(scope="module")
 async def shared(model_dir: Path) -> AsyncIterator[local.LocalPolicy]:
+    """Prompts shared, attention plain: the arithmetic of `generate`."""
+    engine = local.LocalPolicy(model_dir, prefix_attention=False)
+    assert engine.share_prompts and not engine.prefix_attention
+    yield engine
+    await engine.close()
+
+
+@pytest.fixture(scope="module")
+async def split(model_dir: Path) -> AsyncIterator[local.LocalPolicy]:
+    """The default engine: rows that start alike read their common start once a step."""
     engine = local.LocalPolicy(model_dir)
-    assert engine.share_prompts
+    assert engine.share_prompts and engine.prefix_attention
     yield engine
     await engine.close()
 
@@ -226,3 +239,44 @@ async def test_a_model_that_cannot_share_prompts_samples_in_full(
         assert [len(c.token_ids) for c in got] == [4, 4] and cached(got) == [0, 0]
     finally:
         await engine.close()
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
+@pytest.mark.parametrize("params", PARAMS, ids=["t1", "t0.7-top_p", "greedy"])
+async def test_shared_prefix_attention_samples_what_generate_does(
+        reference: local.LocalPolicy, split: local.LocalPolicy, lora_dir: Path,
+        params: SamplingParams, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group (its rows share the whole prompt), prompts of three lengths under one system
+    prompt and tools (they share that start), and the same through a LoRA adapter: every
+    token as `generate` samples it, log-probs within float32 rounding — and the split path
+    did run (a plain SDPA step would pass the comparison too)."""
+    from flywheel.policy import prefix_attention
+
+    splits: list[int] = []
+    real = prefix_attention._attend
+
+    def counted(*args: object) -> object:
+        splits.append(1)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(prefix_attention, "_attend", counted)
+    split.prefix_cache.clear()
+    worst = 0.0
+    for messages, tools in ((LONG, None), TOOLS[0]):
+        worst = max(worst, close(await reference.sample(messages, params, tools=tools),
+                                 await split.sample(messages, params, tools=tools)))
+    prompts = [TOOLS[0][0], TOOLS[1][0], [*TOOLS[0][0][:1], *SHORT]]
+    expected = await reference.sample_many(prompts, params, tools=TOOLS[0][1])
+    got = await split.sample_many(prompts, params, tools=TOOLS[0][1])
+    worst = max(worst, close([c for g in expected for c in g], [c for g in got for c in g]))
+    adapter = AdapterRef("policy", 2, lora_dir)  # its own name: other tests retire v1
+    for engine in (reference, split):
+        await engine.ensure_adapter(adapter)
+    worst = max(worst, close(await reference.sample(TOOLS[0][0], params, tools=TOOLS[0][1],
+                                                    adapter=adapter),
+                             await split.sample(TOOLS[0][0], params, tools=TOOLS[0][1],
+                                                adapter=adapter)))
+    for engine in (reference, split):
+        await engine.retire_adapter(adapter)
+    assert worst < ROUNDING
+    assert splits  # every layer of every split decode step attends twice

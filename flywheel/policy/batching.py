@@ -44,6 +44,28 @@ def batch_key(job: Job) -> tuple[Any, ...]:
 
 
 Results = list[list[Completion] | BaseException]
+
+
+def settle(job: Job, result: list[Completion] | BaseException) -> None:
+    """Hand a job its completions (or error) unless its caller is gone or it has them."""
+    if job.done.done():
+        return
+    if isinstance(result, BaseException):
+        job.done.set_exception(result)
+    else:
+        job.done.set_result(result)
+
+
+def early_settler(jobs: list[Job]) -> Callable[[int, list[Completion] | BaseException], None]:
+    """For a runner on another thread: `settle(jobs[i], result)` on the jobs' event loop as
+    soon as job i is finished, so its caller goes on (a gate task counted done, a group
+    scored) while the rest of the batch still runs; the batch's final results change
+    nothing for a job settled this way."""
+    loop = asyncio.get_running_loop()
+
+    def done(i: int, result: list[Completion] | BaseException) -> None:
+        loop.call_soon_threadsafe(settle, jobs[i], result)
+    return done
 Runner = Callable[[list[Job]], Awaitable[Results]]
 """Runs a batch of compatible jobs on the engine: each job's completions, or its error."""
 
@@ -91,9 +113,4 @@ class Batcher:
                         job.done.set_exception(err)
                 continue
             for job, result in zip(batch, results, strict=True):
-                if job.done.done():
-                    continue
-                if isinstance(result, BaseException):
-                    job.done.set_exception(result)
-                else:
-                    job.done.set_result(result)
+                settle(job, result)

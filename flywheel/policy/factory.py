@@ -27,7 +27,8 @@ def make_policy(settings: Settings) -> Policy:
     return LocalPolicy(resolve_model_dir(cfg.model_dir), policy_name=settings.policy,
                        prefix_cache_mb=cfg.prefix_cache_mb, chat_template=cfg.chat_template,
                        max_rows=cfg.local_batch_rows,
-                       cores=CoreShare(cores, "policy") if cores else None)
+                       cores=CoreShare(cores, "policy") if cores else None,
+                       prefix_attention=cfg.prefix_attention)
 
 
 def policy_chat_format(settings: Settings) -> ChatFormat:

@@ -47,7 +47,7 @@ from transformers import (
 )
 
 from flywheel.policy.base import AdapterRef, Completion, PolicyError, SamplingParams
-from flywheel.policy.batching import Batcher, Job, Results
+from flywheel.policy.batching import Batcher, Job, Results, early_settler
 from flywheel.policy.chat_format import ChatFormat, load_chat_format
 from flywheel.policy.cores import CoreShare, run_shared
 from flywheel.policy.logprobs import sequence_logprobs, token_logprobs
@@ -56,6 +56,7 @@ from flywheel.policy.sampling import (
     PromptKV,
     Seen,
     Unit,
+    common_start,
     encode_cached,
     sample_rows,
     share_blocker,
@@ -99,7 +100,7 @@ class LocalPolicy:
                  dtype: torch.dtype = torch.float32, max_batch: int = 8,
                  prefix_cache_mb: float = 256.0, share_prompts: bool = True,
                  chat_template: str = "auto", max_rows: int = 32,
-                 cores: CoreShare | None = None) -> None:
+                 cores: CoreShare | None = None, prefix_attention: bool = True) -> None:
         self.policy_name, self.max_batch = policy_name, max_batch
         self.max_rows = max(max_rows, max_batch)
         """Most rows in one forward pass when concurrent requests share it."""
@@ -128,9 +129,20 @@ class LocalPolicy:
         self.prefix_cache: PrefixCache[PromptKV] = PrefixCache(int(prefix_cache_mb * 2**20))
         """Encoded prompts by (adapter name, token ids); only the worker thread touches it."""
         self.share_prompts = share_prompts and self._can_share()
+        self.prefix_attention = False
+        """Rows that start alike read their common keys/values once per decode step
+        (`flywheel.policy.prefix_attention`)."""
+        if self.share_prompts and prefix_attention:
+            from flywheel.policy.prefix_attention import enable
+
+            reason = enable(self.model)
+            if reason is not None:
+                log.warning("shared-prefix attention is off: %s", reason)
+            self.prefix_attention = reason is None
         self._worker: ThreadPoolExecutor | None = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="flywheel-policy")
-        self.batcher = Batcher(lambda jobs: self._run(self._sample_jobs_sync, jobs))
+        self.batcher = Batcher(
+            lambda jobs: self._run(self._sample_jobs_sync, jobs, early_settler(jobs)))
         """Concurrent `sample` calls wait here and run together (`flywheel.policy.batching`)."""
 
     # -- Policy protocol ---------------------------------------------------------------------
@@ -249,10 +261,22 @@ class LocalPolicy:
         return [ids for m in job.prompts
                 for ids in [self.prompt_ids(m, job.tools, p.prefill)] * p.n]
 
-    def _sample_jobs_sync(self, jobs: list[Job]) -> Results:
-        """Every job of a compatible batch (`batching.batch_key`): its completions or error."""
+    def _sample_jobs_sync(self, jobs: list[Job],
+                          finished: Callable[[int, list[Completion] | BaseException], None]
+                          | None = None) -> Results:
+        """Every job of a compatible batch (`batching.batch_key`): its completions or error;
+        `finished(i, result)` as soon as job i has all its rows (the forwards of a batch run
+        one after another: the first jobs need not wait for the last)."""
+        def tell(i: int, result: list[Completion] | BaseException) -> None:
+            if finished is not None:
+                finished(i, result)
+
         if not self.share_prompts:
-            return [self._sample_alone(j) for j in jobs]
+            out: Results = []
+            for i, job in enumerate(jobs):
+                out.append(self._sample_alone(job))
+                tell(i, out[-1])
+            return out
         results: Results = [[] for _ in jobs]
         device = next(self.model.parameters()).device
         chunks: dict[int, tuple[torch.Generator, list[list[list[int]]]]] = {}
@@ -267,6 +291,9 @@ class LocalPolicy:
             gen.manual_seed(job.params.seed) if job.params.seed is not None else gen.seed()
             chunks[i] = (gen, [rows[s:s + self.max_batch]
                                for s in range(0, len(rows), self.max_batch)])
+        for i, result in enumerate(results):
+            if isinstance(result, BaseException):
+                tell(i, result)
         params, name, seen = jobs[0].params, jobs[0].adapter, cast(Seen, {})
         # Chunk k of a job continues its generator where chunk k-1 left it: by level.
         levels = max((len(c) for _, c in chunks.values()), default=0)
@@ -277,6 +304,8 @@ class LocalPolicy:
                     done = self._generate_shared(group, params, name, seen)
                     for (i, _, _), completions in zip(group, done, strict=True):
                         cast(list[Completion], results[i]).extend(completions)
+                        if level == len(chunks[i][1]) - 1:  # its last chunk
+                            tell(i, results[i])
         return results
 
     def _sample_alone(self, job: Job) -> list[Completion] | BaseException:
@@ -318,7 +347,7 @@ class LocalPolicy:
         prompts = [encode_cached(self.model, r, name, self.prefix_cache, seen) for r in rows]
         new, lps = sample_rows(
             self.model, [p for p, _ in prompts], params, eos_ids=self._eos_ids,
-            pad_id=self._pad_id, units=spans,
+            pad_id=self._pad_id, units=spans, shared=common_start(rows),
             stop=(lambda t: watch(cast(torch.LongTensor, t), None)) if params.stop else None)
         batch_ms = (time.monotonic() - started) * 1000
         flat = [self._completion(rows[i], new[i].tolist(), lps[i].tolist(),

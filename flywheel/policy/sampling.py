@@ -32,6 +32,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from flywheel.policy import prefix_attention
 from flywheel.policy.base import SamplingParams
 from flywheel.policy.kv import cache_kwarg, cache_tensors, kv_cache, left_padded, unshareable
 from flywheel.policy.logprobs import token_logprobs
@@ -165,23 +166,43 @@ def _draw(probs: Tensor, unfinished: Tensor, units: Sequence[Unit] | None) -> Te
     return picked
 
 
+def common_start(rows: Sequence[Sequence[int]]) -> int:
+    """How many leading tokens every row has in common, leaving each row at least one of
+    its own (its suffix cache is never empty)."""
+    first, shortest = rows[0], min(len(r) for r in rows)
+    n = 0
+    while n < shortest - 1 and all(r[n] == first[n] for r in rows):
+        n += 1
+    return n
+
+
 def sample_rows(model: Any, rows: Sequence[PromptKV], params: SamplingParams, *,
                 eos_ids: set[int], pad_id: int,
                 stop: Callable[[Tensor], Tensor] | None = None,
-                units: Sequence[Unit] | None = None) -> tuple[Tensor, Tensor]:
+                units: Sequence[Unit] | None = None, shared: int = 0) -> tuple[Tensor, Tensor]:
     """Up to `params.max_tokens` tokens after each row's prompt: tokens [B, T] (padding after
     a row's end) and their sampling log-probs [B, T], T ≤ max_tokens.
 
     `stop(tokens [B, t]) → [B] bool` marks rows a stop condition has ended. Without `units`,
     draws from the caller's RNG state (seed it, fork it); with them, each unit of rows from
-    its own generator, as if it ran alone (requests of several callers in one batch). Call
-    under `torch.no_grad()`.
+    its own generator, as if it ran alone (requests of several callers in one batch).
+    `shared`: the first positions every row's prompt has in common; with the model on
+    `prefix_attention` (and enough of them and of rows) their keys/values are read once per
+    step for the whole batch instead of once per row. Call under `torch.no_grad()`.
     """
     batch, device = len(rows), rows[0].hidden.device
     if params.max_tokens <= 0:
         empty = torch.zeros(batch, 0, device=device)
         return empty.long(), empty
-    cache, mask = left_padded([r.kv for r in rows])
+    extra: dict[str, Any] = {}
+    if shared >= prefix_attention.MIN_SHARED and batch >= prefix_attention.MIN_ROWS \
+            and prefix_attention.active(model):
+        extra["shared_prefix"] = prefix_attention.SharedPrefix.of(rows[0].kv, shared)
+        # One suffix list per distinct prompt: left_padded pads a prompt once for its rows.
+        suffix = {id(r): [t[:, :, shared:] for t in r.kv] for r in rows}
+        cache, mask = left_padded([suffix[id(r)] for r in rows])
+    else:
+        cache, mask = left_padded([r.kv for r in rows])
     positions = torch.tensor([r.length for r in rows], device=device)  # next position per row
     eos = torch.tensor(sorted(eos_ids), device=device)
     warpers, sampling = _processors(params), params.temperature > 0
@@ -197,7 +218,7 @@ def sample_rows(model: Any, rows: Sequence[PromptKV], params: SamplingParams, *,
                 mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
             out = model(input_ids=tokens[-1][:, None], attention_mask=mask,
                         position_ids=(positions + step - 1)[:, None], use_cache=True,
-                        logits_to_keep=1, **{cache_kwarg(model): cache})
+                        logits_to_keep=1, **{cache_kwarg(model): cache}, **extra)
             logits = out.logits[:, -1].float()  # [B, V]
         if sampling:
             scores = warpers(no_ids, logits)

@@ -69,7 +69,27 @@ async def schedule_once(engine: AsyncEngine, settings: Settings, rng: random.Ran
             return 0  # overfitting: more tasks, not more steps (docs/VALIDATION.md)
         if cfg.yield_to_gate and await holds.gate_busy(conn):
             return 0  # the decision first: the gate has the cores (rollout.yield_to_gate)
-        picked = pick_tasks(await store.candidate_stats(conn, cfg.envs), room, rng,
-                            explore_share=cfg.explore_share, min_attempts=cfg.group_size)
+        stats = await store.candidate_stats(conn, cfg.envs)
+        picked = pick_tasks(stats, room, rng, explore_share=cfg.explore_share,
+                            min_attempts=cfg.group_size, group_size=cfg.group_size,
+                            min_signal=cfg.min_signal)
+        _say_idle(bool(stats) and not picked and not await store.outstanding(conn),
+                  len(stats), cfg.min_signal)
         await store.request_rollouts(conn, picked, version, settings.topics)
     return len(picked)
+
+
+_idle = False
+
+
+def _say_idle(idle: bool, tasks: int, min_signal: float) -> None:
+    """Say once when sampling stops for want of a task worth a group, and when it resumes."""
+    global _idle
+    if idle and not _idle:
+        log.warning("no task worth a group: each of the %d training tasks would be "
+                    "trainable with a chance under rollout.min_signal %.2f (always or never "
+                    "solved so far); sampling resumes when the miner adds tasks", tasks,
+                    min_signal)
+    elif _idle and not idle:
+        log.info("sampling resumed")
+    _idle = idle

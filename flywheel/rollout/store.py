@@ -41,10 +41,11 @@ async def outstanding(conn: AsyncConnection) -> int:
 async def candidate_stats(conn: AsyncConnection, envs: list[str] | None = None
                           ) -> list[TaskStat]:
     """Train tasks that are not retired (never holdout, never in a frozen eval set, never
-    a validation task), of the
-    policy's environments (`envs`; empty or None = all)."""
+    a validation task), of the policy's environments (`envs`; empty or None = all), each
+    with its stratum for the selection's prior (`env|failure_mode`)."""
     rows = (await conn.execute(text("""
-        SELECT t.task_id, coalesce(s.attempts, 0), coalesce(s.successes, 0)
+        SELECT t.task_id, coalesce(s.attempts, 0), coalesce(s.successes, 0),
+               t.env || '|' || t.failure_mode
         FROM tasks t LEFT JOIN task_stats s ON s.task_id = t.task_id
         WHERE t.split = 'train' AND s.retired IS NULL
           AND t.task_id NOT IN (SELECT task_id FROM eval_set_tasks)
@@ -52,7 +53,7 @@ async def candidate_stats(conn: AsyncConnection, envs: list[str] | None = None
           AND (cardinality(CAST(:envs AS text[])) = 0 OR t.env = ANY(CAST(:envs AS text[])))
           AND t.task_id NOT IN (SELECT task_id FROM rollout_requests
                                 WHERE status = 'requested')"""), {"envs": envs or []})).all()
-    return [TaskStat(r[0], int(r[1]), int(r[2])) for r in rows]
+    return [TaskStat(r[0], int(r[1]), int(r[2]), r[3]) for r in rows]
 
 
 async def request_rollouts(conn: AsyncConnection, task_ids: list[uuid.UUID],
