@@ -17,7 +17,7 @@ import logging
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError
+from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError, UnknownError
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -38,6 +38,20 @@ _PARK = text("UPDATE outbox SET error = :error WHERE id = :id")
 MAX_MESSAGE_BYTES = 8 * 1_048_576
 
 
+UNKNOWN_STRIKES = 5
+"""Rounds a row may meet the broker's UNKNOWN_SERVER_ERROR before it is parked."""
+
+
+def _retry(err: BaseException, row_id: int, strikes: dict[int, int]) -> bool:
+    """Whether the round is retried for this row's error (else the row is parked)."""
+    if retriable(err):
+        return True
+    if isinstance(err, UnknownError):
+        strikes[row_id] = strikes.get(row_id, 0) + 1
+        return strikes[row_id] < UNKNOWN_STRIKES
+    return False
+
+
 def retriable(err: BaseException) -> bool:
     """Broker or network trouble that a later round can overcome."""
     if isinstance(err, KafkaError):
@@ -46,12 +60,18 @@ def retriable(err: BaseException) -> bool:
     return isinstance(err, OSError | TimeoutError | DBAPIError)
 
 
-async def relay_once(engine: AsyncEngine, producer: AIOKafkaProducer, limit: int) -> int:
+async def relay_once(engine: AsyncEngine, producer: AIOKafkaProducer, limit: int,
+                     strikes: dict[int, int] | None = None) -> int:
     """Publish up to `limit` pending rows; returns how many were published.
 
     A row the broker refuses for good (too large, say) is parked with its error instead of
     blocking every row behind it; a retriable error rolls the round back for a later retry.
+    The broker's UNKNOWN_SERVER_ERROR is retried the same way until a row has met it in
+    `UNKNOWN_STRIKES` rounds (counted in `strikes`, which the caller keeps), then parked:
+    the bundled broker answers it for a write race that a resend wins, but it must not
+    block every row behind one forever.
     """
+    strikes = {} if strikes is None else strikes
     async with engine.begin() as conn:
         rows = (await conn.execute(_CLAIM, {"limit": limit})).all()
         if not rows:
@@ -62,22 +82,29 @@ async def relay_once(engine: AsyncEngine, producer: AIOKafkaProducer, limit: int
             try:
                 sent.append((row_id, await producer.send(topic, value, key=key.encode())))
             except KafkaError as err:
-                if retriable(err):
+                if _retry(err, row_id, strikes):
+                    await asyncio.gather(*(f for _, f in sent), return_exceptions=True)
                     raise
                 parked.append((row_id, f"{type(err).__name__}: {err}"))
         results = await asyncio.gather(*(f for _, f in sent), return_exceptions=True)
-        ok = []
+        ok, again = [], None
         for (row_id, _), result in zip(sent, results, strict=True):
             if isinstance(result, BaseException):
-                if retriable(result):
-                    raise result
-                parked.append((row_id, f"{type(result).__name__}: {result}"))
+                if _retry(result, row_id, strikes):
+                    again = again or result
+                else:
+                    parked.append((row_id, f"{type(result).__name__}: {result}"))
             else:
                 ok.append(row_id)
+                strikes.pop(row_id, None)
+        if again is not None:
+            raise again
         await conn.execute(_MARK, {"ids": ok})
         for row_id, error in parked:
             log.error("outbox row %d refused by the broker, parked: %s", row_id, error)
             await conn.execute(_PARK, {"id": row_id, "error": error})
+    for row_id, _ in parked:  # committed: a parked row is no longer counted
+        strikes.pop(row_id, None)
     return len(ok)
 
 
@@ -87,12 +114,13 @@ async def run_relay(settings: Settings, stop: asyncio.Event) -> None:
                                 linger_ms=5, max_request_size=MAX_MESSAGE_BYTES)
     await producer.start()
     cfg = settings.relay
+    strikes: dict[int, int] = {}
     try:
         while not stop.is_set():
             try:
-                sent = await relay_once(engine, producer, cfg.batch_size)
+                sent = await relay_once(engine, producer, cfg.batch_size, strikes)
             except Exception as err:
-                if not retriable(err):
+                if not (retriable(err) or isinstance(err, UnknownError)):
                     raise
                 log.warning("outbox relay round failed, retrying: %s", err)
                 await pause(stop, min(5.0, 10 * cfg.poll_interval_s))

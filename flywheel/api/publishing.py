@@ -20,6 +20,7 @@ from fastapi import FastAPI, HTTPException, Request, status
 
 from flywheel.config import Settings
 from flywheel.runtime.endpoints import resolve_bootstrap
+from flywheel.runtime.kafka import send_all
 from flywheel.web.app import settings_of
 from flywheel.web.health import add_probe
 
@@ -29,6 +30,8 @@ RETRY_AFTER_S = 5
 """What 503 answers tell clients to wait before retrying."""
 PUBLISH_TIMEOUT_MS = 10_000
 """Longest wait for broker metadata or an ack: beyond it the client gets 503, not a hang."""
+RESEND_WITHIN_S = 3.0
+"""How long a request resends what the broker failed to store before answering 503."""
 # Kafka's record framing (key, headers, batch header) on top of the value: the producer's
 # request limit must leave room for it so a value at exactly the payload limit still fits.
 _FRAMING_BYTES = 64 * 1024
@@ -89,10 +92,10 @@ class Publisher:
             return self._producer
 
     async def publish(self, topic: str, records: list[tuple[bytes, bytes]]) -> None:
-        """Send every (key, value), then wait for all acks; raises KafkaError if any failed."""
+        """Send every (key, value), then wait for all acks; what the broker fails to store
+        is sent again for a few seconds (`send_all`), then KafkaError is raised."""
         producer = await self.producer()
-        futures = [await producer.send(topic, value, key=key) for key, value in records]
-        await asyncio.gather(*futures)
+        await send_all(producer, topic, records, deadline_s=RESEND_WITHIN_S)
 
     async def probe(self) -> None:
         """Raises unless the broker answers a metadata request now (for `/readyz`)."""

@@ -8,13 +8,65 @@ correctly; ListOffsets-based `end_offsets` is not used.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Sequence
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.errors import TopicAlreadyExistsError, UnknownError
 
 from flywheel.config import Settings
+from flywheel.errors import is_transient
+
+RESEND_BACKOFF_S = (0.1, 0.3, 1.0, 2.0)
+"""Pauses between resends of what a broker failed to store (the last one repeats)."""
+
+
+def resendable(exc: BaseException) -> bool:
+    """A failed send worth sending again: what is transient for everyone, and the broker's
+    UNKNOWN_SERVER_ERROR (-1), which is a broker-side failure and not a verdict on the
+    record. The bundled broker answers it when two producers write a fresh partition's
+    first batch at once (its object store refuses the second write of offset 0); the
+    same send a moment later is stored at the next offset."""
+    return isinstance(exc, UnknownError) or is_transient(exc)
+
+
+async def send_all(producer: AIOKafkaProducer, topic: str,
+                   records: Sequence[tuple[bytes | None, bytes]], *,
+                   deadline_s: float = 60.0) -> int:
+    """Send every (key, value) and wait until the broker has acknowledged each; what fails
+    resendably is sent again (only that) with backoff until `deadline_s`, then the last
+    error is raised, as is at once any other. Every future is awaited: none is left with
+    an exception never retrieved. Resends may duplicate: consumers must be idempotent.
+    Returns how many sends were resends."""
+    deadline, pending, resent, attempt = time.monotonic() + deadline_s, list(records), 0, 0
+    while True:
+        futures = []
+        for key, value in pending:
+            try:
+                futures.append(await producer.send(topic, value, key=key))
+            except Exception as refused:  # before it was queued (e.g. no metadata)
+                futures.append(_failed(refused))
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        failed = [(rec, r) for rec, r in zip(pending, results, strict=True)
+                  if isinstance(r, BaseException)]
+        if not failed:
+            return resent
+        for _, error in failed:
+            if not resendable(error):  # a refusal, or a cancelled send
+                raise error
+        pause = RESEND_BACKOFF_S[min(attempt, len(RESEND_BACKOFF_S) - 1)]
+        if time.monotonic() + pause > deadline:
+            raise failed[-1][1]
+        await asyncio.sleep(pause)
+        attempt, pending = attempt + 1, [rec for rec, _ in failed]
+        resent += len(pending)
+
+
+def _failed(err: BaseException) -> asyncio.Future[None]:
+    future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    future.set_exception(err)
+    return future
 
 
 def consumer_groups(settings: Settings) -> list[tuple[str, str]]:

@@ -32,6 +32,7 @@ from aiokafka import AIOKafkaProducer
 from sqlalchemy import text
 
 from flywheel.db.engine import make_engine
+from flywheel.runtime.kafka import send_all
 
 STATE_FILE = "broker-state.json"
 MARGIN_S = 5.0
@@ -157,10 +158,10 @@ async def _stored_trajectories(engine: Any, bootstrap: str, topic: str, since: f
                     "starts": json.dumps({str(p): o for p, o in starts.items()})})).all()
             if not rows:
                 return sent
-            futures = [await producer.send(topic, json.dumps(record).encode(),
-                                           key=str(tid).encode()) for tid, record, _ in rows]
-            for f in futures:
-                await f
+            # A fresh broker may fail some of the first writes while SDK clients resend
+            # theirs (the bundled one does): those are sent again, not fatal to `up`.
+            await send_all(producer, topic, [(str(tid).encode(), json.dumps(record).encode())
+                                             for tid, record, _ in rows])
             sent += len(rows)
             after, at = str(rows[-1][0]), rows[-1][2]
     finally:
