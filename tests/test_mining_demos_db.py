@@ -17,7 +17,12 @@ from flywheel.ingest.wire import RawRecord, classify
 from flywheel.mining import store
 from flywheel.mining.build import build_task, expected_calls, split_of
 from flywheel.mining.classify import classify_failure
-from flywheel.mining.demos import load_demonstrations, read_candidates, success_demonstration
+from flywheel.mining.demos import (
+    load_demonstrations,
+    read_candidates,
+    reserved_for_grpo,
+    success_demonstration,
+)
 from flywheel.mining.mine_batch import mine_batch
 from flywheel.tasks import TaskSpec
 from flywheel.trajectory import Trajectory, parse_trajectory
@@ -96,6 +101,7 @@ async def test_demonstrations_never_come_from_holdout_tasks(db_url: str, pg_dsn:
         again = await load_demonstrations(c)
         first = await load_demonstrations(c, limit=5)
         prospective = await load_demonstrations(c, holdout_fraction=0.2)
+        left_to_grpo = await load_demonstrations(c, reserve_share=0.5)
         candidates = await read_candidates(c)
     await engine.dispose()
 
@@ -128,3 +134,8 @@ async def test_demonstrations_never_come_from_holdout_tasks(db_url: str, pg_dsn:
     assert 0 < len(prospective) < len(demos)
     assert all(split_of(d.fingerprint, 0.2) == "train" for d in prospective)
     assert {d.fingerprint for d in prospective} <= fps
+    # The share of fingerprints left to GRPO is not trained on, and the rest is as before.
+    kept = {d.fingerprint for d in left_to_grpo}
+    assert 0 < len(left_to_grpo) < len(demos)
+    assert not any(reserved_for_grpo(fp, 0.5) for fp in kept)
+    assert left_to_grpo == [d for d in demos if not reserved_for_grpo(d.fingerprint, 0.5)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import random
 import uuid
 from types import SimpleNamespace
 from typing import Any
@@ -22,6 +23,7 @@ from flywheel.mining.demos import (
     HeldOut,
     assistant_reply,
     demonstration_from_task,
+    reserved_for_grpo,
     select,
     success_demonstration,
     success_task,
@@ -186,6 +188,23 @@ def test_select_dedupes_orders_and_refuses_everything_holdout_owns() -> None:
     assert not {"0a", "0b"} & {d.fingerprint for d in prospective}  # 0x0a / 2³² < 0.2
 
 
+def test_the_share_left_to_grpo_is_deterministic_and_independent_of_the_holdout() -> None:
+    rng = random.Random(3)
+    fps = [f"{rng.getrandbits(256):064x}" for _ in range(4000)]
+    left = [fp for fp in fps if reserved_for_grpo(fp, 0.5)]
+    assert abs(len(left) / len(fps) - 0.5) < 0.03
+    assert left == [fp for fp in fps if reserved_for_grpo(fp, 0.5)]
+    assert not any(reserved_for_grpo(fp, 0.0) for fp in fps)
+    # Among train-side fingerprints the same share is left out as among holdout ones.
+    train = [fp for fp in fps if split_of(fp, 0.3) == "train"]
+    holdout = [fp for fp in fps if split_of(fp, 0.3) == "holdout"]
+    for side in (train, holdout):
+        assert abs(sum(reserved_for_grpo(fp, 0.5) for fp in side) / len(side) - 0.5) < 0.05
+    cands = [Candidate(_demo(fp), (uuid.uuid4(),), ()) for fp in fps[:200]]
+    picked = {d.fingerprint for d in select(cands, HeldOut(reserve_share=0.5))}
+    assert picked == {fp for fp in fps[:200] if not reserved_for_grpo(fp, 0.5)}
+
+
 def test_request_of_a_retry_matches_its_failure() -> None:
     a = record("What's  the weather in PARIS?", [], status="failure")
     b = record("what's the weather in paris?", [("get_weather", WEATHER, "ok")])
@@ -295,3 +314,28 @@ def test_sft_batches_shuffle_once_wrap_around_and_never_repeat_within_a_batch() 
     few = list(sft_batches([1, 2], steps=2, batch=8))  # fewer demonstrations than a batch
     assert len(few) == 2 and all(sorted(b) == [1, 2] for b in few)
     assert list(sft_batches([], steps=3, batch=8)) == []
+
+
+def test_sft_batches_by_stratum_give_every_stratum_its_share() -> None:
+    from flywheel.trainer.sft import sft_batches
+
+    # 40 demonstrations of one tool, 2 and 4 of two others (the demo's traffic had 105/2/4).
+    demos = [f"ticket-{i}" for i in range(40)] + ["weather-0", "weather-1"] + \
+        [f"email-{i}" for i in range(4)]
+    kind = lambda d: d.split("-")[0]  # noqa: E731
+    batches = list(sft_batches(demos, steps=6, batch=8, stratum=kind))
+    assert [len(b) for b in batches] == [8] * 6
+    assert all(len(set(b)) == len(b) for b in batches)
+    for b in batches:
+        counts = {k: sum(kind(d) == k for d in b) for k in ("ticket", "weather", "email")}
+        assert counts["weather"] == 2  # both, in every batch: fewer than its turns
+        assert counts["email"] == 3 and counts["ticket"] == 3
+    flat = [d for b in batches for d in b]
+    tickets = [d for d in flat if kind(d) == "ticket"]
+    assert len(set(tickets)) == len(tickets) == 18  # no ticket twice before all 40 went
+    assert batches == list(sft_batches(demos, steps=6, batch=8, stratum=kind))
+    unstratified = [d for b in sft_batches(demos, steps=6, batch=8) for d in b]
+    assert sum(kind(d) == "ticket" for d in unstratified) > 36  # as they come: ~87%
+    assert list(sft_batches([], steps=2, batch=8, stratum=kind)) == []
+    assert [sorted(b) for b in sft_batches(["a-1", "b-1"], steps=1, batch=8,
+                                           stratum=kind)] == [["a-1", "b-1"]]

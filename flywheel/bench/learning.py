@@ -159,7 +159,7 @@ async def _run(steps: int, tasks_n: int, batch: int, group_size: int, max_tokens
     from flywheel.policy.model_cache import resolve_model_dir
     from flywheel.trainer.engine import LoRASpec, LoRATrainer
     from flywheel.trainer.grpo import GRPOConfig
-    from flywheel.trainer.sft import sft_batches
+    from flywheel.trainer.sft import sft_batches, sft_stratum
 
     model_dir = resolve_model_dir(None)
     policy = LocalPolicy(model_dir)
@@ -182,7 +182,7 @@ async def _run(steps: int, tasks_n: int, batch: int, group_size: int, max_tokens
         demos = [d for t in fixed_tasks(8 * 8, seed=1) if json.dumps(t.messages) not in seen
                  for d in [demonstration_from_task(t, uuid.uuid4())] if d is not None]
         t = TrainerSettings()  # the trainer's warm-start batch and learning rate
-        for chunk in sft_batches(demos, sft_steps, t.sft_batch):
+        for chunk in sft_batches(demos, sft_steps, t.sft_batch, stratum=sft_stratum(t)):
             await asyncio.to_thread(trainer.sft_step, chunk, lr=t.sft_lr)
         trainer.reset_optimizer()  # GRPO starts with fresh moments, as in the trainer
         await asyncio.to_thread(trainer.save, work / "sft")

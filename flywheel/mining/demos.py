@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sqlalchemy import text
@@ -75,6 +75,12 @@ class Demonstration:
         return json.dumps(self.reply, sort_keys=True, ensure_ascii=False)
 
 
+def called_tools(demo: Demonstration) -> str:
+    """The tools a demonstration's reply calls, sorted (the SFT warm start's strata)."""
+    return "+".join(sorted(str(c["function"]["name"]) for c in demo.reply.get("tool_calls")
+                           or []))
+
+
 def assistant_reply(calls: Iterable[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """An assistant message making `calls` (name, arguments), arguments as JSON strings and
     ids as the chat format's parser gives them."""
@@ -100,6 +106,8 @@ class HeldOut:
     requests: frozenset[Request] = frozenset()
     holdout_fraction: float | None = None
     """The miner's fraction: also refuse fingerprints it would split into holdout later."""
+    reserve_share: float = 0.0
+    """`trainer.sft_reserve_share`: refuse the fingerprints `reserved_for_grpo` keeps."""
 
     def admits(self, c: Candidate) -> bool:
         fp = c.demo.fingerprint
@@ -107,8 +115,17 @@ class HeldOut:
             return False
         if self.requests.intersection(c.requests):
             return False
+        if reserved_for_grpo(fp, self.reserve_share):
+            return False
         return not (self.holdout_fraction is not None
                     and split_of(fp, self.holdout_fraction) == "holdout")
+
+
+def reserved_for_grpo(fp: str, share: float) -> bool:
+    """Whether the SFT warm start leaves this fingerprint's tasks to GRPO, unseen: a share
+    of fingerprints, deterministic and independent of the holdout split (`split_of` reads
+    the fingerprint's first 32 bits; this reads the next 32)."""
+    return share > 0 and int(fp[8:16], 16) / 0x1_0000_0000 < share
 
 
 def request_of(t: Trajectory) -> Request | None:
@@ -259,14 +276,16 @@ async def held_out(conn: AsyncConnection, holdout_fraction: float | None = None)
 
 
 async def load_demonstrations(conn: AsyncConnection, *, limit: int | None = None,
-                              holdout_fraction: float | None = None) -> list[Demonstration]:
+                              holdout_fraction: float | None = None,
+                              reserve_share: float = 0.0) -> list[Demonstration]:
     """Successes and corrected train tasks as demonstrations, none touching evaluation.
 
     `holdout_fraction` (the miner's setting) also refuses demonstrations whose task would be
-    held out if that request ever failed. Deterministic: ordered by (fingerprint, completion).
+    held out if that request ever failed; `reserve_share` leaves that share of fingerprints
+    to GRPO (`reserved_for_grpo`). Deterministic: ordered by (fingerprint, completion).
     """
     candidates = await read_candidates(conn)
     # Read the holdout side last: a holdout task committed while the candidates were read is
     # still excluded (a REPEATABLE READ transaction makes the whole read one snapshot).
     held = await held_out(conn, holdout_fraction)
-    return select(candidates, held, limit=limit)
+    return select(candidates, replace(held, reserve_share=reserve_share), limit=limit)

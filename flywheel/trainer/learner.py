@@ -193,7 +193,8 @@ class TrainerService:
             return None
         async with self.engine.connect() as conn:
             demos = await load_demonstrations(conn, limit=t.sft_max_demos,
-                                              holdout_fraction=self.settings.miner.holdout_fraction)
+                                              holdout_fraction=self.settings.miner.holdout_fraction,
+                                              reserve_share=t.sft_reserve_share)
         if not demos:
             self._decided("SFT recommended but there are no demonstrations (successful or "
                           "corrected trajectories) yet: GRPO starts from the base model",
@@ -219,10 +220,11 @@ class TrainerService:
         self.status.note, self.status.detail = note, None
 
     async def _sft(self, demos: list[Demonstration]) -> None:
-        from flywheel.trainer.sft import sft_batches
+        from flywheel.trainer.sft import sft_batches, sft_stratum
 
         t = self.settings.trainer
-        for step, batch in enumerate(sft_batches(demos, t.sft_steps, t.sft_batch)):
+        for step, batch in enumerate(sft_batches(demos, t.sft_steps, t.sft_batch,
+                                                 stratum=sft_stratum(t))):
             self.status.detail = f"SFT step {step + 1}/{t.sft_steps} on {len(demos)} demos"
             metrics = await asyncio.to_thread(run_shared, self.cores, self.started.sft_step,
                                               batch, lr=t.sft_lr)

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 
-from flywheel.mining.demos import Demonstration
+from flywheel.mining.demos import Demonstration, called_tools
 from flywheel.policy.chat_format import ChatFormat
 from flywheel.trainer.prefix import (
     backward_prompt,
@@ -32,6 +32,7 @@ from flywheel.trainer.prefix import (
 )
 
 if TYPE_CHECKING:
+    from flywheel.config import TrainerSettings
     from flywheel.trainer.ranks import Ranks
 
 T = TypeVar("T")
@@ -58,15 +59,39 @@ def encode_demonstration(fmt: ChatFormat, demo: Demonstration) -> SFTExample:
     return SFTExample([*prompt, *completion], [IGNORE] * len(prompt) + completion)
 
 
-def sft_batches(demos: Sequence[T], steps: int, batch: int, *, seed: int = 0
-                ) -> Iterator[list[T]]:
-    """The warm start's batches: the demonstrations shuffled once (fixed seed), then taken in
-    order, wrapping around; a batch never holds one demonstration twice."""
-    order = random.Random(seed).sample(list(demos), len(demos))
-    size = min(batch, len(order))
-    for step in range(steps if order else 0):
-        start = step * batch
-        yield [order[(start + i) % len(order)] for i in range(size)]
+def sft_batches(demos: Sequence[T], steps: int, batch: int, *, seed: int = 0,
+                stratum: Callable[[T], str] | None = None) -> Iterator[list[T]]:
+    """The warm start's batches; a batch never holds one demonstration twice.
+
+    Each stratum's demonstrations are shuffled once (fixed seed), and the batches are filled
+    from the strata in turn, each wrapping around its own; so every stratum gets the same
+    share of the steps however few demonstrations it has (a stratum with fewer than its
+    turns in a batch gives each of its demonstrations once). Without `stratum` all are one:
+    shuffled once, then taken in order, wrapping around."""
+    key = stratum or (lambda _: "")
+    rng = random.Random(seed)
+    groups: dict[str, list[T]] = {}
+    for d in demos:
+        groups.setdefault(key(d), []).append(d)
+    queues = [rng.sample(g, len(g)) for _, g in sorted(groups.items())]
+    taken = [0] * len(queues)
+    size, turn = min(batch, len(demos)), 0
+    for _ in range(steps if demos else 0):
+        out: list[T] = []
+        used = [0] * len(queues)
+        while len(out) < size:  # ends: the strata together hold at least `size`
+            q = turn % len(queues)
+            turn += 1
+            if used[q] < len(queues[q]):
+                out.append(queues[q][taken[q] % len(queues[q])])
+                taken[q] += 1
+                used[q] += 1
+        yield out
+
+
+def sft_stratum(t: TrainerSettings) -> Callable[[Demonstration], str] | None:
+    """What the warm start's batches balance over, per `trainer.sft_balance`."""
+    return called_tools if t.sft_balance == "tool" else None
 
 
 def collate(examples: Sequence[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
