@@ -27,7 +27,15 @@ TOOLS: list[dict[str, Any]] = [
          "to": {"type": "string"}, "subject": {"type": "string"}, "body": {"type": "string"}},
          "required": ["to", "subject"]}},
 ]
-CITIES = ["Paris", "Lagos", "Osaka", "Lima", "Oslo", "Pune", "Quito", "Austin"]
+CITIES = ["Paris", "Lagos", "Osaka", "Lima", "Oslo", "Pune", "Quito", "Austin", "Cairo",
+          "Dublin", "Hanoi", "Kyiv", "Lisbon", "Nairobi", "Perth", "Seoul", "Tunis", "Vienna",
+          "Accra", "Bogota", "Denver", "Havana", "Riga", "Zurich"]
+UNITS = {"c": "Celsius", "f": "Fahrenheit"}
+RECIPIENTS = ["ana", "bo", "chen", "dee", "eli", "femi", "gus", "hana"]
+MESSAGES = [("Release moved", "It is Friday now."),
+            ("Office closed", "The office is closed on Monday."),
+            ("Demo at 3pm", "The demo starts at 3pm in room 2."),
+            ("Laptop ready", "Your new laptop is at the front desk.")]
 AGENTS = ["support-bot", "ops-assistant", "travel-helper"]
 
 
@@ -35,18 +43,21 @@ def _request(rng: random.Random) -> tuple[str, str, dict[str, Any]]:
     kind = rng.randrange(3)
     # Every expected argument is stated in the request: a task whose right answer the prompt
     # does not determine (a random priority, an unstated unit) is one no policy can learn.
+    # Each tool's requests vary as much as the others' (a tool with a handful of distinct
+    # requests dedupes to a handful of tasks and demonstrations, and a policy trained on
+    # that mix learns one tool for everything).
     if kind == 0:
-        city = rng.choice(CITIES)
-        return (f"What's the weather in {city}, in Celsius?", "get_weather",
-                {"city": city, "unit": "c"})
+        city, unit = rng.choice(CITIES), rng.choice(sorted(UNITS))
+        return (f"What's the weather in {city}, in {UNITS[unit]}?", "get_weather",
+                {"city": city, "unit": unit})
     if kind == 1:
         n, priority = rng.randrange(1000, 9999), rng.randint(1, 4)
         return (f"Printer {n} on floor 3 is jammed again, please open a ticket "
                 f"titled 'Printer {n} jammed' with priority {priority}.",
                 "create_ticket", {"title": f"Printer {n} jammed", "priority": priority})
-    who = rng.choice(["ana", "bo", "chen", "dee"])
-    return (f"Email {who}@example.com that the release moved to Friday.", "send_email",
-            {"to": f"{who}@example.com", "subject": "Release moved", "body": "It is Friday now."})
+    who, (subject, body) = rng.choice(RECIPIENTS), rng.choice(MESSAGES)
+    return (f"Email {who}@example.com with the subject '{subject}' and the text '{body}'",
+            "send_email", {"to": f"{who}@example.com", "subject": subject, "body": body})
 
 
 def make_trajectory(rng: random.Random, *, failure_rate: float = 0.3,
