@@ -44,6 +44,20 @@ def test_training_reward_rising_with_flat_validation_proposes_nothing_and_alarms
     assert "training reward rose" in alarms[0] and "stayed at or below 0.400" in alarms[0]
 
 
+def test_validation_at_its_ceiling_raises_no_alarm_unless_it_falls() -> None:
+    """Seen live (500 support logs, `flywheel up` defaults): SFT solved all 17 validation
+    tasks, GRPO's training reward rose 0.830 → 0.894 over v2–v5, and the alarm paused
+    sampling although no version could have scored above 1.000. Flat at the ceiling is no
+    sign of memorising; falling from it is."""
+    production = score(1, len(TASKS))
+    rising = [0.80 + 0.03 * i for i in range(6)]
+    proposed, alarms = run([(len(TASKS), r) for r in rising], production)
+    assert proposed == [] and alarms == []
+    _, alarms = run([(len(TASKS), r) for r in rising[:4]] + [(len(TASKS) - 2, rising[4])],
+                    production)
+    assert alarms and "stayed at or below 1.000 (now 0.900)" in alarms[0]
+
+
 def test_rising_validation_proposes_the_best_version_since_the_last_proposal() -> None:
     production = score(1, 8)
     # v2 = production; v3 one more task (p 0.5: no); v4 +4 tasks while the gate is busy;

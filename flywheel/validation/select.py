@@ -135,7 +135,9 @@ def propose(since: list[Score], production: Score, *, margin: float, alpha: floa
 def overfitting(curve: list[Score], *, window: int, rise: float) -> str | None:
     """The alarm, in words, when over the last `window` GRPO versions (oldest first) the
     training reward rose by at least `rise` while no version after the first beat the best
-    validation success reached up to it; None otherwise."""
+    validation success reached up to it; None otherwise. When that best is every validation
+    attempt solved, no version can beat it: flat validation there says nothing, and only a
+    fall below it (the newest version) raises the alarm."""
     grpo = [s for s in curve if s.train_reward is not None]
     if len(grpo) < window:
         return None
@@ -144,7 +146,8 @@ def overfitting(curve: list[Score], *, window: int, rise: float) -> str | None:
     assert first is not None and last is not None
     best_before = max(s.rate for s in grpo[:len(grpo) - window + 1])
     after = max(s.rate for s in w[1:])
-    if last - first >= rise and after <= best_before:
+    at_ceiling = best_before >= 1.0 and w[-1].rate >= best_before
+    if last - first >= rise and after <= best_before and not at_ceiling:
         return (f"training reward rose {first:.3f} → {last:.3f} over v{w[0].version}–"
                 f"v{w[-1].version} while validation success stayed at or below "
                 f"{best_before:.3f} (now {w[-1].rate:.3f}): the policy is learning its "
