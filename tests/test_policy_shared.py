@@ -242,7 +242,9 @@ async def test_a_model_that_cannot_share_prompts_samples_in_full(
 
 
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
-@pytest.mark.parametrize("params", PARAMS, ids=["t1", "t0.7-top_p", "greedy"])
+# Sampled and greedy: the split changes attention only, not how logits are warped (top-p
+# is covered by the bit-for-bit cases above); each case runs `generate` on long prompts.
+@pytest.mark.parametrize("params", [PARAMS[0], PARAMS[2]], ids=["t1", "greedy"])
 async def test_shared_prefix_attention_samples_what_generate_does(
         reference: local.LocalPolicy, split: local.LocalPolicy, lora_dir: Path,
         params: SamplingParams, monkeypatch: pytest.MonkeyPatch) -> None:
