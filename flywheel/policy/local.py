@@ -51,6 +51,7 @@ from flywheel.policy.batching import Batcher, Job, Results, early_settler
 from flywheel.policy.chat_format import ChatFormat, load_chat_format
 from flywheel.policy.cores import CoreShare, run_shared
 from flywheel.policy.logprobs import sequence_logprobs, token_logprobs
+from flywheel.policy.prefix_attention import enable as prefix_attention_on
 from flywheel.policy.prefix_cache import PrefixCache
 from flywheel.policy.sampling import (
     PromptKV,
@@ -133,9 +134,7 @@ class LocalPolicy:
         """Rows that start alike read their common keys/values once per decode step
         (`flywheel.policy.prefix_attention`)."""
         if self.share_prompts and prefix_attention:
-            from flywheel.policy.prefix_attention import enable
-
-            reason = enable(self.model)
+            reason = prefix_attention_on(self.model)
             if reason is not None:
                 log.warning("shared-prefix attention is off: %s", reason)
             self.prefix_attention = reason is None

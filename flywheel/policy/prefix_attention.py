@@ -17,7 +17,8 @@ a forward without the `shared_prefix` keyword is plain SDPA, bit for bit, and pr
 encoded that way. Only decoders whose attention modules take the interface (Llama, SmolLM2
 and most of transformers' decoders); `enable` probes the model and says why not otherwise.
 
-Import this module lazily: it imports torch and transformers.
+It imports torch and transformers: only the engine's own modules (`sampling`, `local`)
+import it, and they are imported lazily themselves.
 """
 
 from __future__ import annotations
