@@ -59,7 +59,8 @@ async def schedule_once(engine: AsyncEngine, settings: Settings, rng: random.Ran
         added = await holds.set_aside(conn)
         if added:
             log.info("set aside %d more tasks for validation", added)
-        room = budget - await store.backlog(conn) - await store.outstanding(conn)
+        outstanding = await store.outstanding(conn)
+        room = budget - await store.backlog(conn) - outstanding
         if room <= 0:
             return 0
         version = await registry.newest_version(conn, settings.policy)
@@ -73,7 +74,7 @@ async def schedule_once(engine: AsyncEngine, settings: Settings, rng: random.Ran
         picked = pick_tasks(stats, room, rng, explore_share=cfg.explore_share,
                             min_attempts=cfg.group_size, group_size=cfg.group_size,
                             min_signal=cfg.min_signal)
-        _say_idle(bool(stats) and not picked and not await store.outstanding(conn),
+        _say_idle(bool(stats) and not picked and not outstanding,
                   len(stats), cfg.min_signal)
         await store.request_rollouts(conn, picked, version, settings.topics)
     return len(picked)
