@@ -100,6 +100,12 @@ class RolloutSettings(BaseModel):
     """Base URLs of every vLLM replica (each gets every adapter version)."""
     vllm_model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
     """Base model name as served by vLLM."""
+    vllm_timeout_s: float = Field(default=300.0, gt=0)
+    """How long one request to a replica may take (a chat completion answers only when its
+    whole group is sampled). A request past it counts as the replica failing and is retried
+    elsewhere, so it must exceed a loaded replica's group time: a CPU replica answered 24
+    sequences of 48 tokens (6 groups of 4, LoRA) in about 60 s, which a 60 s limit turned
+    into retries on a healthy replica. A GPU replica answers in seconds."""
     chat_template: str = "auto"
     """The policy's chat format (`flywheel.policy.chat_format`): `auto` = the model's own
     template when it renders tools (its tokenizer must then carry a response template), else

@@ -18,6 +18,7 @@ replica can instead render with a real chat format (`render`), as a vLLM started
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -211,6 +212,8 @@ class FakeReplica:
             failure = self.chat_failures.pop(0)
             if failure == "connect":
                 raise httpx.ConnectError("connection refused", request=request)
+            if failure == "timeout":  # a replica too loaded to answer within timeout_s
+                raise httpx.ReadTimeout("", request=request)
             return _error(int(failure), f"injected failure {failure}")
         model = body["model"]
         if model != self.base_model and model not in self.loaded:
@@ -545,6 +548,24 @@ async def test_an_unreachable_replica_is_skipped_and_benched() -> None:
         out = await policy.sample(MESSAGES, SamplingParams(n=1))
         assert out[0].extra["replica"] == "http://replica1:8000"
     assert cluster.replicas[0].calls["/v1/chat/completions"] <= 2  # then benched
+
+
+async def test_after_trying_every_replica_a_slow_one_comes_before_a_benched_one() -> None:
+    # Seen on a real CPU replica: the survivor of a killed replica timed out once under the
+    # load it inherited; the retries then alternated with the dead one (min in-flight, round
+    # robin) and gave up on connection refusals while the survivor would have answered.
+    cluster = FakeCluster(2)
+    slow, dead = cluster.replicas
+    dead.chat_failures = ["connect"] * 20
+    policy = cluster.policy(max_retries=4)
+    for _ in range(2):  # two refusals in a row bench the dead one
+        await policy.sample(MESSAGES, SamplingParams(n=1))
+    assert policy._replicas[1].down_until > time.monotonic()
+    slow.chat_failures = ["timeout"]
+    out = await policy.sample(MESSAGES, SamplingParams(n=1))
+    assert out[0].extra["replica"] == slow.url
+    # the timeout, one try on the benched replica (untried), then the slow one again
+    assert slow.calls["/v1/chat/completions"] == 4 and dead.calls["/v1/chat/completions"] <= 3
 
 
 async def test_every_replica_down_raises_policy_error_after_bounded_retries() -> None:

@@ -17,7 +17,7 @@ def make_policy(settings: Settings) -> Policy:
             raise ValueError("rollout.engine is 'vllm' but no replica is configured: set "
                              'FLYWHEEL_ROLLOUT__VLLM_URLS=\'["http://vllm-0:8000"]\'')
         return VLLMPolicy(cfg.vllm_urls, model=cfg.vllm_model, policy_name=settings.policy,
-                          retention=cfg.max_staleness + 1,
+                          retention=cfg.max_staleness + 1, timeout_s=cfg.vllm_timeout_s,
                           chat_format=lambda: policy_chat_format(settings))
     from flywheel.policy.cores import CoreShare
     from flywheel.policy.local import LocalPolicy

@@ -95,7 +95,7 @@ class VLLMPolicy:
     """A `Policy` over vLLM replicas; one instance manages the versions of one policy."""
 
     def __init__(self, base_urls: Sequence[str], *, model: str, policy_name: str = "policy",
-                 timeout_s: float = 60, max_retries: int = 4, retention: int = 3,
+                 timeout_s: float = 300, max_retries: int = 4, retention: int = 3,
                  pinned: set[str] | None = None,
                  transport: httpx.AsyncBaseTransport | None = None, api_key: str | None = None,
                  backoff_s: float = 0.5, cooldown_s: float = 30.0, verify_attempts: int = 5,
@@ -242,10 +242,13 @@ class VLLMPolicy:
             reraise=True)
 
     def _pick(self, pool: list[_Replica], avoid: set[_Replica]) -> _Replica:
-        """Least-loaded healthy replica, round-robin among equals; avoids ones that just failed."""
+        """Least-loaded healthy replica, round-robin among equals; avoids ones that just failed.
+        Once every replica was tried, one not benched comes before a benched one (a replica
+        that was slow once is a better bet than one refusing connections)."""
         now = time.monotonic()
-        healthy = [r for r in pool if r not in avoid and r.down_until <= now]
-        choices = healthy or [r for r in pool if r not in avoid] or pool
+        up = [r for r in pool if r.down_until <= now]
+        choices = ([r for r in up if r not in avoid] or [r for r in pool if r not in avoid]
+                   or up or pool)
         self._rr += 1
         start = self._rr % len(choices)
         return min(choices[start:] + choices[:start], key=lambda r: r.in_flight)
