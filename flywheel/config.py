@@ -572,10 +572,14 @@ class ValidationSettings(BaseModel):
     group_id: str = "flywheel-validation"
     """Consumer group of the validation pass (run by the rollout workers: one of them
     scores each published version)."""
-    samples: int = Field(default=1, ge=1, le=8)
-    """Attempts per validation task and version (fixed sample indices and seeds)."""
-    temperature: float = Field(default=0.0, ge=0.0)
-    """0 = greedy (one attempt per task is then enough: the pass is deterministic)."""
+    samples: int = Field(default=2, ge=1, le=8)
+    """Attempts per validation task and version (fixed sample indices and seeds); one when
+    the pass is greedy (it is deterministic)."""
+    temperature: float | None = Field(default=None, ge=0.0)
+    """None = the gate's (`gate.temperature`): validation measures what the gate will decide
+    on. 0 = greedy, which saturates: a policy whose most likely answer is already right
+    scores 1.000 greedy while its sampled success still has room, and that room is what
+    GRPO trains (docs/VALIDATION.md, "A larger run")."""
     seed: int = 2027
     """Seed of the validation attempts (the same for every version: attempts pair up)."""
     margin: float = Field(default=0.02, ge=0.0)

@@ -134,3 +134,52 @@ def test_after_a_pause_the_alarm_watches_only_later_versions() -> None:
     again = judge(curve, production, last_proposed=1, margin=0.02, alpha=0.2, window=4,
                   rise=0.05, alarm_after=7)
     assert again.overfitting is None and [s.version for s in again.window] == [8]
+
+
+def test_the_pass_samples_as_the_gate_does_unless_told_otherwise() -> None:
+    from flywheel.config import Settings
+    from flywheel.validation.scoring import validation_settings
+
+    base = Settings()
+    g = validation_settings(base).gate  # default: the gate's temperature, two attempts
+    assert (g.temperature, g.round_samples, g.seed) == (
+        base.gate.temperature, 2, base.validation.seed) and g.temperature > 0
+    hot = base.model_copy(update={"gate": base.gate.model_copy(update={"temperature": 1.0})})
+    assert validation_settings(hot).gate.temperature == 1.0  # follows the gate
+    greedy = base.model_copy(update={"validation": base.validation.model_copy(
+        update={"temperature": 0.0})})
+    g = validation_settings(greedy).gate  # greedy is deterministic: one attempt
+    assert (g.temperature, g.round_samples) == (0.0, 1)
+    gate_greedy = base.model_copy(update={"gate": base.gate.model_copy(
+        update={"temperature": 0.0})})
+    assert validation_settings(gate_greedy).gate.round_samples == 1
+
+
+def test_the_split_keeps_the_pools_tool_mix() -> None:
+    # The pool of a 500-log run (train + validation tasks per stratum): 63 create_ticket, 29
+    # get_weather, 20 send_email tasks over 30 strata. One level of largest remainder gave
+    # send_email 1 of 17 validation tasks (it is 18% of the pool); tools first gives 3.
+    from collections import Counter
+
+    from flywheel.validation.split import quotas, stratum_quotas, tool_of
+
+    modes = ["bad_arguments", "escalated", "hallucinated_tool", "incomplete",
+             "invalid_format", "other", "timeout", "tool_error", "unsafe_action", "wrong_tool"]
+    per_tool = {"create_ticket": [5, 9, 5, 4, 9, 11, 1, 8, 5, 6],
+                "get_weather": [4, 2, 4, 2, 3, 4, 2, 3, 3, 2],
+                "send_email": [1, 2, 1, 2, 2, 1, 2, 4, 2, 3]}
+    sizes = {f"{m}|tool_call:{tool}": n for tool, ns in per_tool.items()
+             for m, n in zip(modes, ns, strict=True)}
+
+    def mix(q: dict[str, int]) -> dict[str, int]:
+        out: Counter[str] = Counter()
+        for s, n in q.items():
+            out[tool_of(s)] += n
+        return dict(out)
+
+    assert mix(quotas(sizes, 17))["tool_call:send_email"] == 1  # what the run had
+    new = stratum_quotas(sizes, 17)
+    assert sum(new.values()) == 17 and all(new[s] <= sizes[s] for s in sizes)
+    assert mix(new) == {"tool_call:create_ticket": 10, "tool_call:get_weather": 4,
+                        "tool_call:send_email": 3}  # 9.6 / 4.4 / 3.0 in proportion
+    assert stratum_quotas(sizes, 17) == new  # deterministic

@@ -2,8 +2,8 @@
 
 Run by the rollout workers (consumer group `validation.group_id` on the adapters topic, one
 worker per version), on the policy engine they already hold for rollouts: the pass costs
-`tasks × validation.samples` attempts per version (greedy by default), taken from rollout
-sampling, and never touches the gate's engine or its holdout tasks. Scoring reuses the
+`tasks × validation.samples` attempts per version (at the gate's temperature by default),
+taken from rollout sampling, and never touches the gate's engine or its holdout tasks. Scoring reuses the
 gate's round machinery (`flywheel.gate.evaluate.evaluate`: same prompts, seeds per task,
 decoding and verifiers) and caches each pass under a key of everything that determines it,
 as the gate caches rounds, so production is scored once per validation set.
@@ -50,8 +50,9 @@ def validation_settings(settings: Settings) -> Settings:
     """`settings` with the gate's sampling knobs set to the validation pass's, so the
     gate's `evaluate` and `run_key` serve it unchanged."""
     v = settings.validation
-    gate = settings.gate.model_copy(update={"round_samples": v.samples,
-                                            "temperature": v.temperature, "seed": v.seed})
+    temperature = settings.gate.temperature if v.temperature is None else v.temperature
+    gate = settings.gate.model_copy(update={"round_samples": v.samples if temperature else 1,
+                                            "temperature": temperature, "seed": v.seed})
     return settings.model_copy(update={"gate": gate})
 
 
