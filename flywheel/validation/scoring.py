@@ -3,10 +3,10 @@
 Run by the rollout workers (consumer group `validation.group_id` on the adapters topic, one
 worker per version), on the policy engine they already hold for rollouts: the pass costs
 `tasks × validation.samples` attempts per version (at the gate's temperature by default),
-taken from rollout sampling, and never touches the gate's engine or its holdout tasks. Scoring reuses the
-gate's round machinery (`flywheel.gate.evaluate.evaluate`: same prompts, seeds per task,
-decoding and verifiers) and caches each pass under a key of everything that determines it,
-as the gate caches rounds, so production is scored once per validation set.
+taken from rollout sampling, and never touches the gate's engine or its holdout tasks.
+Scoring reuses the gate's round machinery (`flywheel.gate.evaluate.evaluate`: same prompts,
+seeds per task, decoding and verifiers) and caches each pass under a key of everything that
+determines it, as the gate caches rounds, so production is scored once per validation set.
 
 After a GRPO version is scored: the best version since the last proposal is proposed to the
 gate (`CandidateProposed`) when it beats production on the same validation tasks
