@@ -103,9 +103,9 @@ class RolloutSettings(BaseModel):
     vllm_timeout_s: float = Field(default=300.0, gt=0)
     """How long one request to a replica may take (a chat completion answers only when its
     whole group is sampled). A request past it counts as the replica failing and is retried
-    elsewhere, so it must exceed a loaded replica's group time: a CPU replica answered 24
-    sequences of 48 tokens (6 groups of 4, LoRA) in about 60 s, which a 60 s limit turned
-    into retries on a healthy replica. A GPU replica answers in seconds."""
+    elsewhere, so it must exceed a loaded replica's group time: a CPU replica sampling 24
+    sequences of 48 tokens at once (6 groups of 4, LoRA; 17–26 generated tokens/s in its
+    log) ran past the former fixed 60 s, and its requests were retried as failures."""
     chat_template: str = "auto"
     """The policy's chat format (`flywheel.policy.chat_format`): `auto` = the model's own
     template when it renders tools (its tokenizer must then carry a response template), else

@@ -69,7 +69,7 @@ def quotas(sizes: dict[str, int], total: int) -> dict[str, int]:
 
 
 def tool_of(stratum: str) -> str:
-    """The expected tool part of a stratum (`env:tool`)."""
+    """The `env:tool` part of a stratum as `stratum_of` writes it."""
     return stratum.split("|", 1)[-1]
 
 
@@ -77,8 +77,8 @@ def stratum_quotas(sizes: dict[str, int], total: int) -> dict[str, int]:
     """`total` over strata: first over expected tools in proportion to their tasks, then
     each tool's share over its failure modes. One level of largest remainder over many
     small strata skews the tool mix: in a 500-log run, 17 validation tasks over 30 strata
-    of 1–9 tasks gave the tool with a fifth of the pool (send_email, where SFT's version
-    failed 4 of its 5 holdout attempts) one task, and validation read 1.000 at every
+    of 1–9 tasks gave the tool with a fifth of the pool (send_email, where 4 of the 5
+    holdout attempts SFT's version failed were) one task, and validation read 1.000 at every
     version while the holdout read 0.917."""
     by_tool: dict[str, dict[str, int]] = defaultdict(dict)
     for s, n in sizes.items():
