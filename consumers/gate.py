@@ -17,10 +17,12 @@ test (flywheel.gate.sequential) decides whether to stop, and the decision rule
 (flywheel.gate.decision) promotes only on a clear gain of at least min_gain with no guard
 metric or task group regressing. The offset is acknowledged after the decision is
 committed; a redelivered `AdapterTrained` finds the version decided and does nothing (an
-interrupted evaluation resumes from its cached rounds). Waiting for an eval set and outages
-are retried with backoff; a message that cannot be gated (malformed, a broken lifecycle
-invariant, a bug) is parked (`dead_letters`, consumer `gate`, `RecordParked` →
-`<prefix>.parked`) and the version stays a candidate.
+interrupted evaluation resumes from its cached rounds). With `gate.prefetch_rounds`, the
+gate samples production's first rounds on the newest eval set while it has nothing else to
+do (`GateService.sample_ahead`), so a candidate's evaluation samples only its own side there.
+Waiting for an eval set and outages are retried with backoff; a message that cannot be gated
+(malformed, a broken lifecycle invariant, a bug) is parked (`dead_letters`, consumer `gate`,
+`RecordParked` → `<prefix>.parked`) and the version stays a candidate.
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ def build_app(settings: Settings) -> FastStream:
     async def _baseline() -> None:
         # Baseline first: once an eval set is frozen, measure the base model on it.
         tasks.append(asyncio.create_task(measure_when_ready(gate.baseline, retry, logger=log)))
+        if settings.gate.prefetch_rounds:  # production's rounds sampled in idle time
+            tasks.append(asyncio.create_task(gate.ahead_forever()))
 
     @app.after_shutdown
     async def _close() -> None:

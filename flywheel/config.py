@@ -141,11 +141,13 @@ class RolloutSettings(BaseModel):
     engine's forwards, and vLLM needs many sequences in flight. Admission still holds the
     untrained backlog, these groups included, under max_staleness × B."""
     yield_to_gate: bool = False
-    """Request no new groups while the gate evaluates a candidate (its heartbeat live): on
-    one machine where the gate and rollouts share the cores (the local engine), the decision
-    comes first and, with `stack.cores_dir`, gets every core; groups in flight finish and the
-    trainer trains what it has. A stopped gate (stale heartbeat) holds nothing. Off by
-    default: with vLLM the engine batches the gate's and the rollouts' sequences together."""
+    """Request no new groups, and score no version on the validation tasks, while the gate
+    evaluates a candidate (its heartbeat live): on one machine where the gate and rollouts
+    share the cores (the local engine), the decision comes first and, with
+    `stack.cores_dir`, gets every core; groups in flight finish and the trainer trains what
+    it has (the validation pass waits at most `validation.max_wait_for_gate_s`). A stopped
+    gate (stale heartbeat) holds nothing. Off by default: with vLLM the engine batches the
+    gate's and the rollouts' sequences together."""
     prefix_attention: bool = True
     """Local engine: rows of a batch that start alike (a group's G rows, a gate round's
     tasks under one system prompt and tool schemas) read the keys/values of their common
@@ -287,6 +289,15 @@ class GateSettings(BaseModel):
     """Holdout tasks of one round sampled at once (each with its own seed, so a round's
     outcomes do not depend on it): the local engine batches them into shared forwards, vLLM
     schedules them together. 1 = one task after another."""
+    prefetch_rounds: int = Field(default=0, ge=0)
+    """While no candidate is being evaluated (and the newest eval set has its baseline),
+    sample production's first this many rounds on it ahead of need: cached like every round,
+    under the same key and seeds an evaluation would use, so no decision changes, and the
+    next candidate's evaluation then samples only its own side for those rounds (an
+    evaluation that reaches a round still being sampled ahead waits for it, never samples it
+    twice). Runs once per production version and eval set, in the gate's idle time; the
+    state stays `idle`, so rollouts do not yield to it. 0 = off (the default: on a CPU
+    machine it takes cores from rollouts and training); the demo samples 3 ahead."""
     temperature: float = Field(default=0.7, ge=0)
     """Sampling temperature of the evaluation; 0 = greedy decoding (every sample of a task is
     the same: use `samples_per_task` 1 and `round_samples` 1), which is how an agent calling
@@ -582,6 +593,10 @@ class ValidationSettings(BaseModel):
     GRPO trains (docs/VALIDATION.md, "A larger run")."""
     seed: int = 2027
     """Seed of the validation attempts (the same for every version: attempts pair up)."""
+    max_wait_for_gate_s: float = Field(default=1800.0, ge=0.0)
+    """With `rollout.yield_to_gate`, the longest a version's validation pass waits for the
+    gate's evaluation of a candidate to end before it scores anyway (kept well under the
+    slow consumers' poll interval, `kafka.slow_max_poll_interval_ms`)."""
     margin: float = Field(default=0.02, ge=0.0)
     """A GRPO version is proposed when its validation success beats production's on the
     same tasks by at least this much (absolute) ..."""

@@ -4,6 +4,7 @@ production is sampled once per index, reports its progress and records what it c
 
 from __future__ import annotations
 
+import asyncio
 import random
 import uuid
 from collections.abc import Callable
@@ -233,3 +234,86 @@ async def test_an_evaluation_the_infrastructure_cannot_complete_ends_incomplete(
                                     topics=s.topics, force=True)
         # It spent nothing of production's budget: the next candidate is still number 1.
         assert await candidate_number(conn, s.policy, None) == 1
+
+
+class Held(Sampler):
+    """A sampler whose rounds of `hold` wait until `release` is set."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        super().__init__(engine)
+        self.hold: int | None = None
+        self.held, self.release = asyncio.Event(), asyncio.Event()
+
+    async def __call__(self, policy: Any, holdout: Holdout, adapter: AdapterRef | None,
+                       settings: Settings, round_: int = 0,
+                       on_task: Callable[[int], None] | None = None) -> EvalRun:
+        if adapter is not None and adapter.version == self.hold:
+            self.held.set()
+            await self.release.wait()
+        return await super().__call__(policy, holdout, adapter, settings, round_, on_task)
+
+
+async def test_production_rounds_sampled_ahead_are_what_the_next_evaluation_uses(
+        engine: AsyncEngine, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = settings.model_copy(update={"gate": settings.gate.model_copy(update={
+        "samples_per_task": 20, "round_samples": 2, "group_min_samples": 10_000,
+        "baseline_samples_per_task": 4, "prefetch_rounds": 6})})
+    async with engine.begin() as conn:
+        for i in range(10):
+            task = TaskSpec(task_id=uuid.uuid4(), env="tool_call", tools=TOOLS,
+                            messages=[{"role": "user", "content": f"Weather in village {i}?"}],
+                            verifier=ToolCallSpec(expected=ExpectedCall(
+                                name="get_weather", arguments={"city": f"v{i}"})),
+                            failure_mode="bad_arguments", fingerprint=f"w{i}",
+                            split="holdout")
+            await store_task(conn, task, uuid.uuid4(), "human_correction", s.topics)
+        await freeze_eval_set(conn, s.topics)
+    sampler = Held(engine)
+    monkeypatch.setattr(gate_service, "evaluate", sampler)
+    monkeypatch.setattr(gate_service, "probe_latency", _probe)
+    gate = gate_service.GateService(s, engine, FakePolicy())  # type: ignore[arg-type]
+    monkeypatch.setattr(type(gate.adapters), "__call__", lambda self, v: _ref(v))
+
+    # Nothing is sampled ahead before the eval set has its baseline.
+    assert await gate.sample_ahead() == 0 and sampler.calls == []
+    await gate.baseline()  # the base model's rounds 0–1
+    assert gate.kick.is_set()
+    # Production is the base model: its rounds 2–5 ahead, then nothing more to do.
+    assert await gate.sample_ahead() == 4 and await gate.sample_ahead() == 0
+    assert sampler.calls == [(None, r) for r in range(6)]
+    async with engine.connect() as conn:
+        status = await registry.gate_activity(conn, s.policy)
+    assert status is not None and status["state"] == "idle"  # rollouts need not yield
+
+    sampler.calls.clear()
+    await _train(engine, s, 1)
+    events = await gate.evaluate_version(1)
+    assert [e.type for e in events] == ["AdapterEvaluated", "AdapterPromoted"]
+    used = len(events[0].payload.sequential.rounds)
+    # The evaluation sampled only its own side within the rounds sampled ahead.
+    assert [c for c in sampler.calls if c[0] is None] == [(None, r) for r in range(6, used)]
+    assert [c.cached for c in events[0].payload.rounds if c.side == "production"][:6] == \
+        [True] * min(used, 6)
+
+    # v1 is production now: its next round is being sampled ahead when v2's evaluation
+    # needs it; the evaluation waits for that round and never samples it a second time.
+    sampler.calls.clear()
+    sampler.hold = 1
+    ahead = asyncio.create_task(gate.sample_ahead())
+    await asyncio.wait_for(sampler.held.wait(), 10)
+    await _train(engine, s, 2)
+    evaluation = asyncio.create_task(gate.evaluate_version(2))
+    for _ in range(200):
+        if (2, used) in sampler.calls:
+            break
+        await asyncio.sleep(0.05)
+    assert (2, used) in sampler.calls and not evaluation.done()
+    sampler.release.set()
+    second = (await asyncio.wait_for(evaluation, 30))[0].payload
+    await asyncio.wait_for(ahead, 30)
+    deeper = len(second.sequential.rounds)
+    assert deeper > used  # it reached the round that was being sampled ahead
+    production = [c for c in sampler.calls if c[0] == 1]
+    assert sorted(production) == sorted(set(production))  # no round sampled twice
+    assert (1, used) in production
+    assert sorted(c for c in sampler.calls if c[0] == 2) == [(2, r) for r in range(deeper)]

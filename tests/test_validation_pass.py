@@ -300,3 +300,38 @@ async def test_the_trainer_refuses_a_group_of_a_validation_task(
         consumed = dict((await conn.execute(text(
             "SELECT group_id, consumed_as FROM rollout_groups"))).all())
     assert consumed == {ids[0]: "validation", ids[1]: None}
+
+
+async def test_with_yield_to_gate_a_pass_waits_for_the_gates_evaluation(
+        engine: AsyncEngine, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from flywheel.gate.progress import write_status
+
+    s = _settings(settings)
+    s = s.model_copy(update={"rollout": s.rollout.model_copy(update={"yield_to_gate": True})})
+    await _pool(engine, s)
+    async with engine.begin() as conn:
+        await split.assign(conn, s.validation)
+        train = [t.task_id for t in await training_tasks(conn, limit=1)]
+        await write_status(conn, s.policy, state="evaluating", version=7)
+    script = Script({None: 3, 1: 3, 2: 3})
+    monkeypatch.setattr(scoring, "evaluate", script)
+    monkeypatch.setattr(scoring, "GATE_POLL_S", 0.05)
+    vp = scoring.ValidationPass(s, engine, FakePolicy())  # type: ignore[arg-type]
+    monkeypatch.setattr(type(vp.adapters), "__call__", lambda self, v: _ref(v))
+    scored = asyncio.create_task(vp.on_trained(await _publish(engine, s, 1, None, train[0])))
+    await asyncio.sleep(0.5)
+    assert script.calls == [] and not scored.done()  # the decision has the cores
+    async with engine.begin() as conn:
+        await write_status(conn, s.policy, state="idle")
+    events = await asyncio.wait_for(scored, 10)
+    assert script.calls == [1] and [e.type for e in events] == ["ValidationScored"]
+
+    # A gate whose heartbeat is stale (stopped) holds nothing; nor does a pass without the
+    # setting, whatever the gate does.
+    async with engine.begin() as conn:
+        await write_status(conn, s.policy, state="evaluating", version=8)
+        await conn.execute(text("UPDATE gate_status SET updated_at = now() - interval '1 hour'"))
+    await asyncio.wait_for(vp.on_trained(await _publish(engine, s, 2, 0.5, train[0])), 10)
+    assert script.calls[:2] == [1, 2]  # v2 at once (then production, for the screen)

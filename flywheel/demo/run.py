@@ -155,6 +155,11 @@ DEMO_ENV = {
     # the cores among those busy (`stack.cores_dir`, set below under the demo's home), and
     # rollouts wait while the gate evaluates a candidate, so the decision gets every core.
     "FLYWHEEL_ROLLOUT__YIELD_TO_GATE": "true",
+    # The gate is idle while GRPO trains towards its first candidate: it samples
+    # production's first 3 rounds then (`gate.prefetch_rounds`; the SFT version is decided
+    # after one round, so rounds 2–3 of it would otherwise be sampled inside the GRPO
+    # candidate's evaluation, doubling those rounds' cost on the decision's clock).
+    "FLYWHEEL_GATE__PREFETCH_ROUNDS": "3",
 }
 
 

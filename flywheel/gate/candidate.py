@@ -14,6 +14,8 @@ trainer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import math
 import time
@@ -40,6 +42,7 @@ from flywheel.gate.accounting import complete_rounds, rounds_seen
 from flywheel.gate.decision import EvalRun, latency_probe, round_counts
 from flywheel.gate.evaluate import (
     Holdout,
+    NoEvalSet,
     cached_run,
     evaluate,
     load_holdout,
@@ -65,6 +68,12 @@ class GateService:
         # One activity at a time (a baseline, an evaluation): they share the policy engine
         # and the one status row.
         self.busy = asyncio.Lock()
+        # Production's rounds being sampled ahead (`gate.prefetch_rounds`), by round key: an
+        # evaluation that needs one waits for it instead of sampling it again.
+        self._ahead: dict[str, asyncio.Task[EvalRun]] = {}
+        self.kick = asyncio.Event()
+        """Set when production or the eval set may have changed: look for rounds to sample
+        ahead (`ahead_forever`)."""
 
     async def _adapter(self, version: int | None) -> AdapterRef | None:
         adapter = await self.adapters(version)
@@ -85,6 +94,15 @@ class GateService:
         key = round_key(run_key(self.settings, version, holdout, fmt), round_)
         async with self.engine.connect() as conn:
             run = await cached_run(conn, key)
+        if run is None and (ahead := self._ahead.get(key)) is not None:
+            # Being sampled ahead (`sample_ahead`): the very attempts this would sample.
+            log.info("%s round %d: waiting for it to be sampled ahead",
+                     lifecycle.version_label(version), round_ + 1)
+            try:
+                run = await asyncio.shield(ahead)
+            except Exception as err:
+                log.warning("%s round %d: sampling it ahead failed (%s); sampling it now",
+                            lifecycle.version_label(version), round_ + 1, err)
         cached = run is not None
         if run is None:
             run = await evaluate(self.policy, holdout, adapter, self.settings, round_,
@@ -105,6 +123,74 @@ class GateService:
                          lifecycle.version_label(version), round_ + 1, samples, seconds,
                          samples / max(seconds, 1e-9))
         return run
+
+    async def sample_ahead(self) -> int:
+        """Production's first `gate.prefetch_rounds` rounds on the newest eval set that are
+        not cached yet, one after another, while no evaluation or baseline runs (one that
+        starts meanwhile takes over: no further round is started, and the one in flight is
+        waited for by whoever needs it). Only once the eval set has its baseline. The same
+        `evaluate` call, key and seeds as an evaluation's production side, so decisions are
+        unchanged. Returns the rounds sampled."""
+        g = self.settings.gate
+        if g.prefetch_rounds == 0 or self.busy.locked():
+            return 0
+        async with self.engine.connect() as conn:
+            try:
+                holdout = await load_holdout(conn, g.max_tasks, self.settings.rollout.envs)
+            except NoEvalSet:
+                return 0
+            if not holdout.tasks or not await registry.latest_baseline(
+                    conn, self.name, holdout.eval_set_version):
+                return 0
+            production = await registry.production_version(conn, self.name)
+        adapter = await self._adapter(production)
+        fmt = await asyncio.to_thread(lambda: self.policy.chat_format.version)
+        label, sampled = lifecycle.version_label(production), 0
+        for r in range(min(g.prefetch_rounds, g.max_rounds)):
+            key = round_key(run_key(self.settings, production, holdout, fmt), r)
+            async with self.engine.connect() as conn:
+                if await cached_run(conn, key) is not None:
+                    continue
+            if self.busy.locked() or key in self._ahead:
+                break  # an evaluation or a baseline has the engine: it samples what it needs
+            started = time.monotonic()
+            task = asyncio.create_task(self._sample_round(production, adapter, holdout, r, key))
+            self._ahead[key] = task
+            task.add_done_callback(functools.partial(self._ahead_done, key))
+            run = await asyncio.shield(task)
+            sampled += 1
+            seconds = time.monotonic() - started
+            log.info("%s round %d sampled ahead on eval set v%d: %d samples in %.1fs "
+                     "(%.2f samples/s)", label, r + 1, holdout.eval_set_version,
+                     len(run.attempts) + run.not_run, seconds,
+                     (len(run.attempts) + run.not_run) / max(seconds, 1e-9))
+        return sampled
+
+    def _ahead_done(self, key: str, _: asyncio.Task[EvalRun]) -> None:
+        self._ahead.pop(key, None)
+
+    async def _sample_round(self, version: int | None, adapter: AdapterRef | None,
+                            holdout: Holdout, round_: int, key: str) -> EvalRun:
+        run = await evaluate(self.policy, holdout, adapter, self.settings, round_)
+        async with self.engine.begin() as conn:
+            await store_run(conn, key, self.name, holdout, run)
+        return run
+
+    async def ahead_forever(self, every_s: float = 30.0) -> None:
+        """`sample_ahead` whenever kicked (after a baseline or an evaluation) and every
+        `every_s` (an operator's rollback, a new eval set). A failure is logged and tried
+        again at the next look: sampling ahead is never worth stopping the gate for."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.kick.wait(), every_s)
+            self.kick.clear()
+            try:
+                await self.sample_ahead()
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:
+                log.warning("sampling production's rounds ahead failed (tried again later): "
+                            "%s", err)
 
     async def run_for(self, version: int | None, holdout: Holdout, rounds: int) -> EvalRun:
         """The first `rounds` rounds of `version` as one run."""
@@ -143,6 +229,7 @@ class GateService:
                  holdout.eval_set_version, base.success_rate, base.invalid_rate,
                  record["recommendation"], record["reason"])
         await self.refresh_power(holdout)
+        self.kick.set()
         return record
 
     async def refresh_power(self, holdout: Holdout) -> None:
@@ -217,6 +304,7 @@ class GateService:
             except lifecycle.Conflict as err:
                 log.warning("%s; evaluating again against the new production", err)
                 continue
+            self.kick.set()  # production may have changed: its rounds can be sampled ahead
             log.info("v%d: %s", version, " ".join(payload.reasons))
             if payload.power is not None and payload.power.warning:
                 log.warning("v%d's evaluation: %s", version, payload.power.warning)
