@@ -128,7 +128,10 @@ class GateService:
         """Production's first `gate.prefetch_rounds` rounds on the newest eval set that are
         not cached yet, one after another, while no evaluation or baseline runs (one that
         starts meanwhile takes over: no further round is started, and the one in flight is
-        waited for by whoever needs it). Only once the eval set has its baseline. The same
+        waited for by whoever needs it). Only once the eval set has its baseline, and only
+        for an adapter version: the base model's first rounds are the baseline's (in the
+        demo a first candidate is decided after one round, so more of the base model's
+        would be sampled for nothing while SFT trains). The same
         `evaluate` call, key and seeds as an evaluation's production side, so decisions are
         unchanged. Returns the rounds sampled."""
         g = self.settings.gate
@@ -143,6 +146,8 @@ class GateService:
                     conn, self.name, holdout.eval_set_version):
                 return 0
             production = await registry.production_version(conn, self.name)
+        if production is None:
+            return 0  # the base model: its first rounds are the baseline's, sampled already
         adapter = await self._adapter(production)
         fmt = await asyncio.to_thread(lambda: self.policy.chat_format.version)
         label, sampled = lifecycle.version_label(production), 0
