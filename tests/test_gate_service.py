@@ -274,26 +274,19 @@ async def test_production_rounds_sampled_ahead_are_what_the_next_evaluation_uses
     gate = gate_service.GateService(s, engine, FakePolicy())  # type: ignore[arg-type]
     monkeypatch.setattr(type(gate.adapters), "__call__", lambda self, v: _ref(v))
 
-    # Nothing is sampled ahead before the eval set has its baseline.
+    # Nothing is sampled ahead before the eval set has its baseline, nor for the base
+    # model (its first rounds are the baseline's).
     assert await gate.sample_ahead() == 0 and sampler.calls == []
     await gate.baseline()  # the base model's rounds 0–1
-    assert gate.kick.is_set()
-    # Production is the base model: its rounds 2–5 ahead, then nothing more to do.
-    assert await gate.sample_ahead() == 4 and await gate.sample_ahead() == 0
-    assert sampler.calls == [(None, r) for r in range(6)]
-    async with engine.connect() as conn:
-        status = await registry.gate_activity(conn, s.policy)
-    assert status is not None and status["state"] == "idle"  # rollouts need not yield
+    assert gate.kick.is_set() and await gate.sample_ahead() == 0
+    assert sampler.calls == [(None, 0), (None, 1)]
 
     sampler.calls.clear()
     await _train(engine, s, 1)
     events = await gate.evaluate_version(1)
     assert [e.type for e in events] == ["AdapterEvaluated", "AdapterPromoted"]
     used = len(events[0].payload.sequential.rounds)
-    # The evaluation sampled only its own side within the rounds sampled ahead.
-    assert [c for c in sampler.calls if c[0] is None] == [(None, r) for r in range(6, used)]
-    assert [c.cached for c in events[0].payload.rounds if c.side == "production"][:6] == \
-        [True] * min(used, 6)
+    assert [c for c in sampler.calls if c[0] is None] == [(None, r) for r in range(2, used)]
 
     # v1 is production now: its next round is being sampled ahead when v2's evaluation
     # needs it; the evaluation waits for that round and never samples it a second time.
@@ -317,3 +310,14 @@ async def test_production_rounds_sampled_ahead_are_what_the_next_evaluation_uses
     assert sorted(production) == sorted(set(production))  # no round sampled twice
     assert (1, used) in production
     assert sorted(c for c in sampler.calls if c[0] == 2) == [(2, r) for r in range(deeper)]
+    timed = {t.round: t.cached for t in second.rounds if t.side == "production"}
+    assert all(timed[r] for r in range(used + 1))  # its own, or sampled ahead
+
+    # v2 was turned down; production is still v1: what is left of its first 6 rounds is
+    # sampled ahead now, without the gate's state leaving `idle` (rollouts need not yield).
+    sampler.calls.clear()
+    assert await gate.sample_ahead() == max(0, 6 - deeper) and await gate.sample_ahead() == 0
+    assert sampler.calls == [(1, r) for r in range(deeper, 6)]
+    async with engine.connect() as conn:
+        status = await registry.gate_activity(conn, s.policy)
+    assert status is not None and status["state"] == "idle"
