@@ -35,10 +35,18 @@ def test_summary_reports_holdout_success_of_base_candidates_and_production() -> 
     assert [d["state"] for d in s["decisions"]] == ["promoted", "rejected", "rejected"]
     assert s["decisions"][2]["reasons"] == ["superseded by a newer version before evaluation"]
     assert s["stages"] == {"stack_up": 4.0}
-    assert not finished(p)  # one GRPO candidate evaluated; the demo waits for two
+    # One GRPO candidate decided (rejected, with its reasons) ends the demo; asked for two,
+    # it waits for the next.
+    assert finished(p) and not s["grpo_promoted"]
+    assert not finished(p, grpo_decisions=2)
     p.decisions.append({"version": 4, "stage": "grpo", "state": "rejected",
                         "recommendation": "reject", "record": _record(4, 1, 0.4, 0.4)})
-    assert finished(p) and not s["grpo_promoted"]
+    assert finished(p, grpo_decisions=2)
+    # The warm start the baseline asked for must be decided first.
+    early = Progress(baseline=p.baseline, adapters=p.adapters,
+                     decisions=[d for d in p.decisions if d.get("stage") == "grpo"],
+                     production=1)
+    assert not finished(early)
     # A GRPO version promoted over the SFT version ends the demo at once.
     p.decisions[3:] = [{"version": 4, "stage": "grpo", "state": "promoted",
                         "recommendation": "promote", "record": {

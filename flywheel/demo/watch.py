@@ -56,9 +56,11 @@ def decided(p: Progress) -> list[dict[str, Any]]:
     return [d for d in p.decisions if d["state"] in ("promoted", "rejected")]
 
 
-def finished(p: Progress, *, grpo_decisions: int = 2) -> bool:
+def finished(p: Progress, *, grpo_decisions: int = 1) -> bool:
     """The loop has turned: the warm start (if any) was decided, and a GRPO candidate was
-    promoted or `grpo_decisions` of them were decided by the gate."""
+    promoted or `grpo_decisions` of them were decided by the gate. One: the demo shows the
+    loop turning once in its 15 minutes on 2 cores (a decision either way, with its
+    reasons); `flywheel up` keeps turning it."""
     done = decided(p)
     sft_needed = bool(p.baseline and p.baseline["recommendation"] == "sft")
     sft_done = any(d.get("stage") == "sft" for d in done) or not sft_needed
