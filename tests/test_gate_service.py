@@ -91,26 +91,33 @@ async def _train(engine: AsyncEngine, settings: Settings, version: int) -> None:
         await append_events(conn, [event], settings.topics)
 
 
+async def _gate(engine: AsyncEngine, s: Settings, monkeypatch: pytest.MonkeyPatch,
+                sampler: Sampler, place: str) -> gate_service.GateService:
+    """Ten frozen holdout tasks (the weather in `place` i) and a gate sampling through
+    `sampler`; versions resolve without artifacts (protect_production stays real)."""
+    async with engine.begin() as conn:
+        for i in range(10):
+            task = TaskSpec(task_id=uuid.uuid4(), env="tool_call", tools=TOOLS,
+                            messages=[{"role": "user", "content": f"Weather in {place} {i}?"}],
+                            verifier=ToolCallSpec(expected=ExpectedCall(
+                                name="get_weather", arguments={"city": f"{place}{i}"})),
+                            failure_mode="bad_arguments", fingerprint=f"{place}{i}",
+                            split="holdout")
+            await store_task(conn, task, uuid.uuid4(), "human_correction", s.topics)
+        await freeze_eval_set(conn, s.topics)
+    monkeypatch.setattr(gate_service, "evaluate", sampler)
+    monkeypatch.setattr(gate_service, "probe_latency", _probe)
+    gate = gate_service.GateService(s, engine, FakePolicy())  # type: ignore[arg-type]
+    monkeypatch.setattr(type(gate.adapters), "__call__", lambda self, v: _ref(v))
+    return gate
+
+
 async def test_rounds_stop_when_clear_and_production_is_sampled_once_per_index(
         engine: AsyncEngine, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     s = settings.model_copy(update={"gate": settings.gate.model_copy(update={
         "samples_per_task": 20, "round_samples": 2, "group_min_samples": 10_000})})
-    async with engine.begin() as conn:
-        for i in range(10):
-            task = TaskSpec(task_id=uuid.uuid4(), env="tool_call", tools=TOOLS,
-                            messages=[{"role": "user", "content": f"Weather in city {i}?"}],
-                            verifier=ToolCallSpec(expected=ExpectedCall(
-                                name="get_weather", arguments={"city": f"c{i}"})),
-                            failure_mode="bad_arguments", fingerprint=f"h{i}",
-                            split="holdout")
-            await store_task(conn, task, uuid.uuid4(), "human_correction", s.topics)
-        await freeze_eval_set(conn, s.topics)
     sampler = Sampler(engine)
-    monkeypatch.setattr(gate_service, "evaluate", sampler)
-    monkeypatch.setattr(gate_service, "probe_latency", _probe)
-    gate = gate_service.GateService(s, engine, FakePolicy())  # type: ignore[arg-type]
-    # Versions resolve without artifacts (the resolver's protect_production stays real).
-    monkeypatch.setattr(type(gate.adapters), "__call__", lambda self, v: _ref(v))
+    gate = await _gate(engine, s, monkeypatch, sampler, "city")
 
     await _train(engine, s, 1)
     events = await gate.evaluate_version(1)
@@ -201,21 +208,8 @@ async def test_an_evaluation_the_infrastructure_cannot_complete_ends_incomplete(
         engine: AsyncEngine, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     s = settings.model_copy(update={"gate": settings.gate.model_copy(update={
         "samples_per_task": 20, "round_samples": 2, "group_min_samples": 10_000})})
-    async with engine.begin() as conn:
-        for i in range(10):
-            task = TaskSpec(task_id=uuid.uuid4(), env="tool_call", tools=TOOLS,
-                            messages=[{"role": "user", "content": f"Weather in town {i}?"}],
-                            verifier=ToolCallSpec(expected=ExpectedCall(
-                                name="get_weather", arguments={"city": f"t{i}"})),
-                            failure_mode="bad_arguments", fingerprint=f"u{i}",
-                            split="holdout")
-            await store_task(conn, task, uuid.uuid4(), "human_correction", s.topics)
-        await freeze_eval_set(conn, s.topics)
     sampler = Unreachable(engine)
-    monkeypatch.setattr(gate_service, "evaluate", sampler)
-    monkeypatch.setattr(gate_service, "probe_latency", _probe)
-    gate = gate_service.GateService(s, engine, FakePolicy())  # type: ignore[arg-type]
-    monkeypatch.setattr(type(gate.adapters), "__call__", lambda self, v: _ref(v))
+    gate = await _gate(engine, s, monkeypatch, sampler, "town")
 
     await _train(engine, s, 1)
     events = await gate.evaluate_version(1)
@@ -258,21 +252,8 @@ async def test_production_rounds_sampled_ahead_are_what_the_next_evaluation_uses
     s = settings.model_copy(update={"gate": settings.gate.model_copy(update={
         "samples_per_task": 20, "round_samples": 2, "group_min_samples": 10_000,
         "baseline_samples_per_task": 4, "prefetch_rounds": 6})})
-    async with engine.begin() as conn:
-        for i in range(10):
-            task = TaskSpec(task_id=uuid.uuid4(), env="tool_call", tools=TOOLS,
-                            messages=[{"role": "user", "content": f"Weather in village {i}?"}],
-                            verifier=ToolCallSpec(expected=ExpectedCall(
-                                name="get_weather", arguments={"city": f"v{i}"})),
-                            failure_mode="bad_arguments", fingerprint=f"w{i}",
-                            split="holdout")
-            await store_task(conn, task, uuid.uuid4(), "human_correction", s.topics)
-        await freeze_eval_set(conn, s.topics)
     sampler = Held(engine)
-    monkeypatch.setattr(gate_service, "evaluate", sampler)
-    monkeypatch.setattr(gate_service, "probe_latency", _probe)
-    gate = gate_service.GateService(s, engine, FakePolicy())  # type: ignore[arg-type]
-    monkeypatch.setattr(type(gate.adapters), "__call__", lambda self, v: _ref(v))
+    gate = await _gate(engine, s, monkeypatch, sampler, "village")
 
     # Nothing is sampled ahead before the eval set has its baseline, nor for the base
     # model (its first rounds are the baseline's).
