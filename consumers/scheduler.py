@@ -13,7 +13,7 @@ Publishes (through the outbox): `RolloutRequested` → `<prefix>.rollout.request
 Here the other roles' holds on sampling are bound (the validation split,
 `flywheel.validation.split`; the trainer's warm start, `flywheel.trainer.warm_start`; the
 overfitting pause, `flywheel.validation.store`; the gate's activity,
-`flywheel.adapters.registry.gate_activity`, for `rollout.yield_to_gate`), and outages are
+`flywheel.adapters.registry.gate_evaluating`, for `rollout.yield_to_gate`), and outages are
 waited out.
 """
 
@@ -53,8 +53,7 @@ def holds(settings: Settings) -> schedule.Holds:
                                              settings.validation.resume_new_tasks)
 
     async def gate_busy(conn: AsyncConnection) -> bool:
-        activity = await registry.gate_activity(conn, settings.policy)
-        return activity is not None and activity["state"] == "evaluating"
+        return await registry.gate_evaluating(conn, settings.policy) is not None
 
     return schedule.Holds(set_aside=set_aside, warm_starting=warm, paused=paused,
                           gate_busy=gate_busy)

@@ -7,7 +7,7 @@ models operators see are in `flywheel.adapters.queries`. Reads only: no commit, 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -106,6 +106,15 @@ async def gate_activity(conn: AsyncConnection, policy: str) -> dict[str, Any] | 
                           f"{data['state']} (is the gate running?)")
         data["state"] = "down"
     return data
+
+
+async def gate_evaluating(conn: AsyncConnection, policy: str) -> int | None:
+    """The candidate version the gate of `policy` is evaluating now (heartbeat live), else
+    None: what `rollout.yield_to_gate` yields to."""
+    activity = await gate_activity(conn, policy)
+    if activity is None or activity["state"] != "evaluating":
+        return None
+    return cast(int, activity["version"])
 
 
 async def selected_by(conn: AsyncConnection, policy: str, version: int) -> str:

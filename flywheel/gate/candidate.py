@@ -151,8 +151,9 @@ class GateService:
         adapter = await self._adapter(production)
         fmt = await asyncio.to_thread(lambda: self.policy.chat_format.version)
         label, sampled = lifecycle.version_label(production), 0
+        run_of = run_key(self.settings, production, holdout, fmt)
         for r in range(min(g.prefetch_rounds, g.max_rounds)):
-            key = round_key(run_key(self.settings, production, holdout, fmt), r)
+            key = round_key(run_of, r)
             async with self.engine.connect() as conn:
                 if await cached_run(conn, key) is not None:
                     continue
