@@ -93,8 +93,9 @@ def _buggy(name: str) -> Environment:
     return AnyCallToTheRightTool() if name == "tool_call" else load_environment(name)
 
 
-async def _gate(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> list[Event]:
-    """Holdout tasks, v1 trained, the gate on v1."""
+async def _gate(settings: Settings, monkeypatch: pytest.MonkeyPatch, sample: Any = _sample,
+                probe: Any = _probe) -> list[Event]:
+    """Holdout tasks, v1 trained, the gate on v1 (sampling by `sample`, probes by `probe`)."""
     engine = make_engine(str(settings.db.url))
     try:
         async with engine.begin() as conn:
@@ -126,8 +127,8 @@ async def _gate(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> list[Eve
                 stage="grpo", steps=1, groups=8, stale_dropped=0, metrics={}))
             await lifecycle.project(conn, event)
             await append_events(conn, [event], settings.topics)
-        monkeypatch.setattr(gate_service, "evaluate", _sample)
-        monkeypatch.setattr(gate_service, "probe_latency", _probe)
+        monkeypatch.setattr(gate_service, "evaluate", sample)
+        monkeypatch.setattr(gate_service, "probe_latency", probe)
         gate = gate_service.GateService(settings, engine, FakePolicy())  # type: ignore[arg-type]
 
         async def ref(self: Any, v: int | None) -> AdapterRef | None:
@@ -199,3 +200,32 @@ def test_promotions_show_diff_and_report(db_url: str, tmp_path: Path,
 
     show = runner.invoke(app, ["promotions", "show", eid])
     assert "verifier canaries" in show.output and "what changed" in show.output
+
+
+def test_the_first_latency_probe_waits_for_the_train_check(
+        db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The train-vs-holdout check samples beside round 1, but the round's latency probe is
+    decoded only once it is done: a probe sharing the engine with one side's other attempts
+    would charge that side for them (and with one probe, its p95 is that probe)."""
+    in_flight: list[bool] = []
+    probed_during_check: list[bool] = []
+
+    async def sample(policy: Any, holdout: Holdout, adapter: AdapterRef | None,
+                     settings: Settings, round_: int = 0, on_task: Any = None) -> EvalRun:
+        train = all(t.fingerprint.startswith("train") for t in holdout.tasks)
+        if train:
+            in_flight.append(True)
+            await asyncio.sleep(0.5)  # longer than round 1's two sides
+            in_flight.pop()
+        return await _sample(policy, holdout, adapter, settings, round_, on_task)
+
+    async def probe(*args: Any) -> tuple[list[float], list[float]]:
+        probed_during_check.append(bool(in_flight))
+        return [50.0], [48.0]
+
+    events = asyncio.run(_gate(_settings(db_url, tmp_path, train_check_tasks=5), monkeypatch,
+                               sample, probe))
+    assert [e.type for e in events] == ["AdapterEvaluated", "AdapterPromoted"]
+    assert probed_during_check and not any(probed_during_check), probed_during_check
+    gap = events[0].payload.train_gap  # type: ignore[union-attr]
+    assert gap is not None and gap.samples == 8

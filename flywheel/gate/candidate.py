@@ -312,7 +312,7 @@ class GateService:
             rule = lifetime.rule_for(self.settings.gate, k)
             timings: list[RoundTiming] = []
             candidate, baseline, probe = await self._rounds(version, production, holdout, rule,
-                                                            timings)
+                                                            timings, beside=train_task)
             train = await train_task
             payload = decision_payload(self.settings, version, production,
                                        holdout.eval_set_version, candidate, baseline, probe,
@@ -349,12 +349,16 @@ class GateService:
                               self.settings)
 
     async def _rounds(self, version: int, production: int | None, holdout: Holdout,
-                      rule: GateSettings, timings: list[RoundTiming] | None = None
+                      rule: GateSettings, timings: list[RoundTiming] | None = None,
+                      beside: asyncio.Task[Any] | None = None
                       ) -> tuple[EvalRun, EvalRun, LatencyProbe | None]:
         """Sample both sides round by round until the sequential test (at `rule`, this
         candidate's level) stops, a round cannot be completed, or the budget is spent (the
         fixed tests always spend it), probing latency each round; each round's seconds and
-        samples/s into `timings`."""
+        samples/s into `timings`. `beside` (the train-vs-holdout check, sampled alongside
+        round 1) is waited for before the first probe: a probe's two sides, decoded back to
+        back, must not share the engine with one side's other attempts (with a probe or two,
+        its p95 is about one probe's latency; its outcome is the caller's to read)."""
         g = self.settings.gate
         cand_ref, prod_ref = await self._adapter(version), await self._adapter(production)
         n, vs = len(holdout.tasks), lifecycle.version_label(production)
@@ -373,6 +377,8 @@ class GateService:
                 cand.append(await self.round_for(version, cand_ref, holdout, r, timings))
                 base.append(await self.round_for(production, prod_ref, holdout, r, timings,
                                                  "production"))
+                if beside is not None:
+                    await asyncio.wait([beside])
                 if n:
                     probes.append(await probe_latency(self.policy, holdout.tasks[r % n],
                                                       cand_ref, prod_ref, self.settings, r))
