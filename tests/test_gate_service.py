@@ -91,6 +91,12 @@ async def _train(engine: AsyncEngine, settings: Settings, version: int) -> None:
         await append_events(conn, [event], settings.topics)
 
 
+def _rounds_of(settings: Settings, **gate: Any) -> Settings:
+    """`settings` with a gate of up to 10 rounds of 2 samples per task (and `gate`'s own)."""
+    return settings.model_copy(update={"gate": settings.gate.model_copy(update={
+        "samples_per_task": 20, "round_samples": 2, "group_min_samples": 10_000, **gate})})
+
+
 async def _gate(engine: AsyncEngine, s: Settings, monkeypatch: pytest.MonkeyPatch,
                 sampler: Sampler, place: str) -> gate_service.GateService:
     """Ten frozen holdout tasks (the weather in `place` i) and a gate sampling through
@@ -114,8 +120,7 @@ async def _gate(engine: AsyncEngine, s: Settings, monkeypatch: pytest.MonkeyPatc
 
 async def test_rounds_stop_when_clear_and_production_is_sampled_once_per_index(
         engine: AsyncEngine, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
-    s = settings.model_copy(update={"gate": settings.gate.model_copy(update={
-        "samples_per_task": 20, "round_samples": 2, "group_min_samples": 10_000})})
+    s = _rounds_of(settings)
     sampler = Sampler(engine)
     gate = await _gate(engine, s, monkeypatch, sampler, "city")
 
@@ -206,8 +211,7 @@ class Unreachable(Sampler):
 
 async def test_an_evaluation_the_infrastructure_cannot_complete_ends_incomplete(
         engine: AsyncEngine, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
-    s = settings.model_copy(update={"gate": settings.gate.model_copy(update={
-        "samples_per_task": 20, "round_samples": 2, "group_min_samples": 10_000})})
+    s = _rounds_of(settings)
     sampler = Unreachable(engine)
     gate = await _gate(engine, s, monkeypatch, sampler, "town")
 
@@ -249,9 +253,7 @@ class Held(Sampler):
 
 async def test_production_rounds_sampled_ahead_are_what_the_next_evaluation_uses(
         engine: AsyncEngine, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
-    s = settings.model_copy(update={"gate": settings.gate.model_copy(update={
-        "samples_per_task": 20, "round_samples": 2, "group_min_samples": 10_000,
-        "baseline_samples_per_task": 4, "prefetch_rounds": 6})})
+    s = _rounds_of(settings, baseline_samples_per_task=4, prefetch_rounds=6)
     sampler = Held(engine)
     gate = await _gate(engine, s, monkeypatch, sampler, "village")
 
