@@ -141,7 +141,7 @@ DEMO_ENV = {
     # tool first). Eight attempts per task at the gate's temperature: two left the screen
     # only 2 of 16 to gain over a 0.875 production; four (36 per version on 9 tasks, scored
     # in 27–32 s) left seed 1's GRPO versions at McNemar p 0.50 and 0.31 (+1 and +2 net
-    # attempts) until v4, proposed 13.5 min into the demo, so its first GRPO decision came
+    # attempts) until v4, published 11.5 min into the demo, so its first GRPO decision came
     # at 17 min. The screen is looser (α 0.3): it only decides what the gate spends its
     # holdout samples on, and more attempts make it no looser.
     # The gate's alpha, min_gain and design gain are as they were.
