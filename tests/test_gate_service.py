@@ -272,7 +272,9 @@ async def test_production_rounds_sampled_ahead_are_what_the_next_evaluation_uses
     assert [c for c in sampler.calls if c[0] is None] == [(None, r) for r in range(2, used)]
 
     # v1 is production now: its next round is being sampled ahead when v2's evaluation
-    # needs it; the evaluation waits for that round and never samples it a second time.
+    # starts. The evaluation samples its own round 1, but its first latency probe waits
+    # for the round in flight (a probe beside production's other attempts would charge
+    # production for them), and that round is never sampled a second time.
     sampler.calls.clear()
     sampler.hold = 1
     ahead = asyncio.create_task(gate.sample_ahead())
@@ -280,10 +282,11 @@ async def test_production_rounds_sampled_ahead_are_what_the_next_evaluation_uses
     await _train(engine, s, 2)
     evaluation = asyncio.create_task(gate.evaluate_version(2))
     for _ in range(200):
-        if (2, used) in sampler.calls:
+        if (2, 0) in sampler.calls:
             break
         await asyncio.sleep(0.05)
-    assert (2, used) in sampler.calls and not evaluation.done()
+    await asyncio.sleep(0.3)
+    assert (2, 0) in sampler.calls and (2, 1) not in sampler.calls and not evaluation.done()
     sampler.release.set()
     second = (await asyncio.wait_for(evaluation, 30))[0].payload
     await asyncio.wait_for(ahead, 30)

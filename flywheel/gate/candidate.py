@@ -355,10 +355,9 @@ class GateService:
         """Sample both sides round by round until the sequential test (at `rule`, this
         candidate's level) stops, a round cannot be completed, or the budget is spent (the
         fixed tests always spend it), probing latency each round; each round's seconds and
-        samples/s into `timings`. `beside` (the train-vs-holdout check, sampled alongside
-        round 1) is waited for before the first probe: a probe's two sides, decoded back to
-        back, must not share the engine with one side's other attempts (with a probe or two,
-        its p95 is about one probe's latency; its outcome is the caller's to read)."""
+        samples/s into `timings`. Each probe waits for the gate's other sampling (`_quiet`):
+        `beside`, the train-vs-holdout check sampled alongside round 1 (its outcome is the
+        caller's to read), and production's rounds still being sampled ahead."""
         g = self.settings.gate
         cand_ref, prod_ref = await self._adapter(version), await self._adapter(production)
         n, vs = len(holdout.tasks), lifecycle.version_label(production)
@@ -377,8 +376,7 @@ class GateService:
                 cand.append(await self.round_for(version, cand_ref, holdout, r, timings))
                 base.append(await self.round_for(production, prod_ref, holdout, r, timings,
                                                  "production"))
-                if beside is not None:
-                    await asyncio.wait([beside])
+                await self._quiet(beside)
                 if n:
                     probes.append(await probe_latency(self.policy, holdout.tasks[r % n],
                                                       cand_ref, prod_ref, self.settings, r))
@@ -388,6 +386,15 @@ class GateService:
                 if stop:
                     break
         return EvalRun.combine(cand), EvalRun.combine(base), latency_probe(probes)
+
+    async def _quiet(self, beside: asyncio.Task[Any] | None) -> None:
+        """Until nothing else the gate samples is in flight (`beside`, rounds sampled ahead):
+        a latency probe's two sides, decoded back to back, must not share the engine with
+        one side's other attempts — the train check runs the candidate's adapter, a round
+        sampled ahead production's — and with a probe or two, the p95 is about one probe."""
+        pending = [t for t in (beside, *self._ahead.values()) if t is not None and not t.done()]
+        if pending:
+            await asyncio.wait(pending)
 
     def _look(self, cand: list[EvalRun], base: list[EvalRun], r: int, g: GateSettings
               ) -> tuple[bool, str]:
