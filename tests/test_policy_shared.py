@@ -147,6 +147,34 @@ async def test_groups_batched_together_and_split_across_batches(
     assert close([c for g in expected for c in g], [c for g in got for c in g]) < ROUNDING
 
 
+async def test_a_callers_rows_leave_the_batch_once_they_have_all_ended(
+        shared: local.LocalPolicy) -> None:
+    """Twelve callers' rows of one prompt in one batch, each from its own seed: each gets the
+    tokens it gets alone, while the batch's decode steps ran fewer rows once some groups had
+    ended (a batch that kept feeding them padding would pass the comparison too)."""
+    import asyncio
+
+    shared.prefix_cache.clear()
+    params = [SamplingParams(n=1, max_tokens=40, temperature=1.0, seed=s) for s in range(12)]
+    alone = [await shared.sample(SHORT, p) for p in params]
+    steps: list[int] = []  # rows of each decode step (one new token a row)
+
+    def rows(_: object, args: tuple[object, ...], __: object) -> None:
+        ids = args[0]
+        assert isinstance(ids, torch.Tensor)
+        if ids.shape[1] == 1:
+            steps.append(int(ids.shape[0]))
+
+    hook = shared.model.get_input_embeddings().register_forward_hook(rows)
+    try:
+        together = await asyncio.gather(*(shared.sample(SHORT, p) for p in params))
+    finally:
+        hook.remove()
+    assert close([c for g in alone for c in g], [c for g in together for c in g]) < ROUNDING
+    assert steps[0] == 12 and min(steps) < 12
+    assert steps == sorted(steps, reverse=True)
+
+
 async def test_the_shared_start_of_prompts_is_reused_across_calls(
         reference: local.LocalPolicy, shared: local.LocalPolicy) -> None:
     shared.prefix_cache.clear()

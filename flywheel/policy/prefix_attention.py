@@ -94,8 +94,21 @@ def prefix_attention(module: Any, query: Tensor, key: Tensor, value: Tensor,
     def back(t: Tensor) -> Tensor:
         return t.reshape(kv_heads, batch, group, steps, -1).permute(1, 0, 2, 3, 4)
     out_p, peak_p, sum_p = back(out_p), back(peak_p), back(sum_p)
-    mask = None if attention_mask is None else attention_mask[:, :, None]  # [B, 1, 1, T, S]
-    out_s, peak_s, sum_s = _attend(grouped, key[:, :, None], value[:, :, None], mask, scale)
+    # Each row against its own suffix: a key/value head's `group` query heads stacked as rows
+    # of one product ([B, H_kv, group·T, D] on [B, H_kv, S, D]), so the suffix is read as it
+    # is — broadcasting it over the group instead copies it `group` times a layer a step.
+    mask = None
+    if attention_mask is not None:  # [B, 1 or H, T, S] → [B, 1 or H_kv, group·T, S]
+        m = attention_mask
+        if m.shape[1] != 1:
+            m = m.reshape(batch, kv_heads, group, steps, -1)
+        else:
+            m = m[:, :, None].expand(-1, -1, group, -1, -1)
+        mask = m.reshape(batch, m.shape[1], group * steps, -1)
+    out_s, peak_s, sum_s = _attend(grouped.reshape(batch, kv_heads, group * steps, dim),
+                                   key, value, mask, scale)
+    out_s, peak_s, sum_s = (t.reshape(batch, kv_heads, group, steps, -1)
+                            for t in (out_s, peak_s, sum_s))
     peak = torch.maximum(peak_p, peak_s)
     a, b = torch.exp(peak_p - peak), torch.exp(peak_s - peak)
     out = (out_p * a + out_s * b) / (sum_p * a + sum_s * b)

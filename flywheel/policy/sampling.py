@@ -188,7 +188,8 @@ def sample_rows(model: Any, rows: Sequence[PromptKV], params: SamplingParams, *,
     its own generator, as if it ran alone (requests of several callers in one batch).
     `shared`: the first positions every row's prompt has in common; with the model on
     `prefix_attention` (and enough of them and of rows) their keys/values are read once per
-    step for the whole batch instead of once per row. Call under `torch.no_grad()`.
+    step for the whole batch instead of once per row. With units, a unit whose rows have all
+    ended leaves the forward (`_compact`). Call under `torch.no_grad()`.
     """
     batch, device = len(rows), rows[0].hidden.device
     if params.max_tokens <= 0:
@@ -206,32 +207,67 @@ def sample_rows(model: Any, rows: Sequence[PromptKV], params: SamplingParams, *,
     positions = torch.tensor([r.length for r in rows], device=device)  # next position per row
     eos = torch.tensor(sorted(eos_ids), device=device)
     warpers, sampling = _processors(params), params.temperature > 0
-    no_ids = cast(torch.LongTensor, torch.zeros(batch, 0, dtype=torch.long, device=device))
     # (the warpers `generate` would use here never read the ids)
     logits = _parts(model)[1](_as_generate_lays_out(rows))[:, -1].float()  # [B, V]
     unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+    # The rows still in the forward (indices into the batch) and their units, re-indexed.
+    alive = torch.arange(batch, device=device)
+    live = list(units) if units is not None else None
     tokens: list[Tensor] = []
     logps: list[Tensor] = []
     for step in range(params.max_tokens):
         if step:
             if mask is not None:
-                mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
-            out = model(input_ids=tokens[-1][:, None], attention_mask=mask,
-                        position_ids=(positions + step - 1)[:, None], use_cache=True,
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            out = model(input_ids=tokens[-1][alive][:, None], attention_mask=mask,
+                        position_ids=(positions[alive] + step - 1)[:, None], use_cache=True,
                         logits_to_keep=1, **{cache_kwarg(model): cache}, **extra)
-            logits = out.logits[:, -1].float()  # [B, V]
+            logits = out.logits[:, -1].float()  # [b, V]: the rows in the forward
+        running = unfinished[alive]
         if sampling:
-            scores = warpers(no_ids, logits)
-            picked = _draw(torch.softmax(scores, dim=-1), unfinished, units)
+            no_ids = cast(torch.LongTensor, alive.new_zeros(len(alive), 0))
+            drawn = _draw(torch.softmax(warpers(no_ids, logits), dim=-1), running, live)
         else:
-            picked = logits.argmax(-1)
-        picked = torch.where(unfinished, picked, pad_id)  # [B]
+            drawn = logits.argmax(-1)
+        drawn = torch.where(running, drawn, pad_id)  # [b]
+        picked = torch.full((batch,), pad_id, dtype=torch.long, device=device)
+        picked[alive] = drawn
+        logp = torch.zeros(batch, device=device)
+        logp[alive] = token_logprobs(logits[:, None], drawn[:, None], params.temperature)[:, 0]
         tokens.append(picked)
-        logps.append(token_logprobs(logits[:, None], picked[:, None], params.temperature)[:, 0])
+        logps.append(logp)
         done = torch.isin(picked, eos)
         if stop is not None:
             done |= stop(torch.stack(tokens, 1))
         unfinished &= ~done
         if not bool(unfinished.any()):
             break
+        if live is not None:
+            alive, live, mask = _compact(cache, alive, live, unfinished, mask)
     return torch.stack(tokens, 1), torch.stack(logps, 1)
+
+
+def _compact(cache: DynamicCache, alive: Tensor, live: list[Unit], unfinished: Tensor,
+             mask: Tensor | None) -> tuple[Tensor, list[Unit], Tensor | None]:
+    """Drop from the forward the units whose rows have all ended, once they are a quarter of
+    it (each drop copies the survivors' keys/values): a finished row costs a decode step as
+    much as a live one, and a batch runs until its longest row ends. Only whole units go, so
+    every unit still draws what it would alone (`_draw` skips an ended unit anyway); without
+    units one `multinomial` draws for every row, and no row may leave.
+    """
+    ended = [not bool(unfinished[alive[a:b]].any()) for a, b, _ in live]
+    dropped = sum(b - a for (a, b, _), gone in zip(live, ended, strict=True) if gone)
+    if not dropped or 4 * dropped < len(alive):
+        return alive, live, mask
+    keep: list[Tensor] = []
+    kept: list[Unit] = []
+    for (a, b, gen), gone in zip(live, ended, strict=True):
+        if not gone:
+            start = kept[-1][1] if kept else 0
+            kept.append((start, start + b - a, gen))
+            keep.append(torch.arange(a, b, device=alive.device))
+    index = torch.cat(keep)
+    for layer in cast(list[Any], list(cache.layers)):
+        layer.keys = layer.keys.index_select(0, index)
+        layer.values = layer.values.index_select(0, index)
+    return alive[index], kept, None if mask is None else mask.index_select(0, index)
