@@ -267,7 +267,8 @@ def _compact(cache: DynamicCache, alive: Tensor, live: list[Unit], unfinished: T
             kept.append((start, start + b - a, gen))
             keep.append(torch.arange(a, b, device=alive.device))
     index = torch.cat(keep)
-    for layer in cast(list[Any], list(cache.layers)):
+    layers: list[Any] = list(cache.layers)
+    for layer in layers:
         layer.keys = layer.keys.index_select(0, index)
         layer.values = layer.values.index_select(0, index)
     return alive[index], kept, None if mask is None else mask.index_select(0, index)
