@@ -165,7 +165,7 @@ DEMO_ENV = {
     # A gate round of the demo's 19–25 holdout tasks × 2 samples is 38–50 rows: at the
     # default 32 rows a forward it ran as two batches, the second costing most of a first
     # (a decode step of 10 rows takes ~250 ms, of 32 ~340, of 42 ~375: the weights are read
-    # once a step whatever the rows). One forward of 64: 21 tasks' round 24–31 s against
+    # once a step whatever the rows). One forward of 64: 21 tasks' round 24–32 s against
     # 36–42 s (docs/BENCHMARKS.md, "Gate"). Keys/values: ~45 KiB a token a row (a shared
     # start held once); rollouts' forwards may hold 64 rows too.
     "FLYWHEEL_ROLLOUT__LOCAL_BATCH_ROWS": "64",

@@ -98,13 +98,9 @@ def prefix_attention(module: Any, query: Tensor, key: Tensor, value: Tensor,
     # of one product ([B, H_kv, group·T, D] on [B, H_kv, S, D]), so the suffix is read as it
     # is — broadcasting it over the group instead copies it `group` times a layer a step.
     mask = None
-    if attention_mask is not None:  # [B, 1 or H, T, S] → [B, 1 or H_kv, group·T, S]
-        m = attention_mask
-        if m.shape[1] != 1:
-            m = m.reshape(batch, kv_heads, group, steps, -1)
-        else:
-            m = m[:, :, None].expand(-1, -1, group, -1, -1)
-        mask = m.reshape(batch, m.shape[1], group * steps, -1)
+    if attention_mask is not None:  # sdpa_mask's [B, 1, T, S] → [B, 1, group·T, S]
+        mask = (attention_mask[:, :, None].expand(-1, -1, group, -1, -1)
+                .reshape(batch, attention_mask.shape[1], group * steps, -1))
     out_s, peak_s, sum_s = _attend(grouped.reshape(batch, kv_heads, group * steps, dim),
                                    key, value, mask, scale)
     out_s, peak_s, sum_s = (t.reshape(batch, kv_heads, group, steps, -1)
