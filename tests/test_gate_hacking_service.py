@@ -56,14 +56,15 @@ def _call(city: str) -> str:
 
 async def _sample(policy: Any, holdout: Holdout, adapter: AdapterRef | None,
                   settings: Settings, round_: int = 0, on_task: Any = None) -> EvalRun:
-    """Each attempt succeeds with its version's rate; the reply says what it did."""
+    """Each attempt succeeds with its version's rate, drawn from (version, task fingerprint,
+    index): not the random task id, so every run draws alike; the reply says what it did."""
     version = adapter.version if adapter else None
     s = settings.gate.round_samples
     attempts = []
     for task in holdout.tasks:
         city = task.verifier.expected[0].arguments["city"]  # type: ignore[union-attr]
         for j in range(round_ * s, round_ * s + s):
-            ok = random.Random(f"{version}/{task.task_id}/{j}").random() < RATES[version]
+            ok = random.Random(f"{version}/{task.fingerprint}/{j}").random() < RATES[version]
             reply = _call(city if ok else "Atlantis")
             attempts.append(Attempt(
                 str(task.task_id), j, ok, 1.0 if ok else 0.4, False, False, 50.0, 10,

@@ -48,8 +48,10 @@ class FakePolicy:
 
 class Sampler:
     """Stands in for `evaluate`: each attempt succeeds with its version's rate, drawn from
-    (version, task, sample index); records which rounds were sampled and what the status
-    row said meanwhile."""
+    (version, task fingerprint, sample index) — not the task's random id, so every run
+    draws the same outcomes (v2 at v1's rate is otherwise promoted by chance now and then,
+    as the gate's alpha allows); records which rounds were sampled and what the status row
+    said meanwhile."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -67,7 +69,7 @@ class Sampler:
         attempts = []
         for task in holdout.tasks:
             for j in range(round_ * s, round_ * s + s):
-                rng = random.Random(f"{version}/{task.task_id}/{j}")
+                rng = random.Random(f"{version}/{task.fingerprint}/{j}")
                 ok = rng.random() < RATES[version]
                 attempts.append(Attempt(str(task.task_id), j, ok, float(ok), False, False,
                                         50.0, 10))
