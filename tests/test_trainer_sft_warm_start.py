@@ -58,9 +58,12 @@ async def _rates(policy: Any, tasks: list[TaskSpec], adapter: AdapterRef | None
                  ) -> dict[str, float]:
     env = load_environment("tool_call")
     valid = right = n = 0
-    for i, task in enumerate(tasks):
-        g = await run_group(policy, task, env, EVAL, adapter=adapter, seed=10_000 + i,
-                            group_key=f"held{i}")
+    # All groups at once: the engine batches them into shared forwards, and each group's
+    # seed makes it draw what it would alone.
+    groups = await asyncio.gather(*(
+        run_group(policy, task, env, EVAL, adapter=adapter, seed=10_000 + i,
+                  group_key=f"held{i}") for i, task in enumerate(tasks)))
+    for g in groups:
         for r in g.scored:
             n += 1
             valid += r.reward_components.get("valid_json", 0.0) >= 1.0
