@@ -117,5 +117,6 @@ def expand_env(value: str, environ: dict[str, str]) -> str:
 
 
 def masked(value: str) -> str:
-    """A header or env value as stored and shown: `${NAME}` references kept, literals hidden."""
-    return value if _ENV_REF.fullmatch(value) else "***"
+    """A header or env value as the event log and `show` keep it: one that takes its secret
+    from the environment (`Bearer ${TOKEN}`) as written, a literal one hidden."""
+    return value if _ENV_REF.search(value) else "***"

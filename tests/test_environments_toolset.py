@@ -306,3 +306,28 @@ def test_verify_toolset_by_hand() -> None:
     assert verify_toolset(spec, {"calls": [ended], "state": {"n": 1}}).reward == 0.25
     with pytest.raises(ValueError, match="expected_state or expected_calls"):
         ToolsetSpec(toolset="t")
+
+
+async def test_a_dry_run_answers_from_replay_or_stubs_and_never_calls_the_server(
+        fmt: ChatFormat, log: Path) -> None:
+    reg = await registered("notes-dry", stdio(log, sessions="shared", dry_run=True,
+                                              on_divergence="live",
+                                              stubs={"bump": "counter is 42 (stub)"}))
+    catalog = Catalog.of([reg])
+    before = len(received(log))
+    policy = Lockstep(_script(tool_call("add_note", text="b"), tool_call("bump", by=9),
+                              tool_call("add_note", text="z")), fmt)
+    task = _task(reg, initial_state={"notes": ["a"]}, replay=LOGGED,
+                 expected_calls=[ExpectedCall(name="bump", arguments={"by": 9})])
+    try:
+        out = await run_group(policy, task, ToolsetEnvironment(catalog),
+                              GroupConfig(group_size=2, rollout_timeout_s=30, max_steps=6),
+                              adapter=None, seed=0, group_key="dry")
+    finally:
+        await catalog.aclose()
+    assert [r.reward for r in out.rollouts] == [1.0, 1.0]
+    assert _results(policy) == ["added note 2 (logged)", "counter is 42 (stub)",
+                                "ok (dry run: add_note was not executed)"]
+    steps = [(s.source, s.rule) for t in out.rollouts[0].turns for s in t.tools or []]
+    assert steps == [("replay", None), ("stub", "live"), ("stub", None)]
+    assert _calls_for(log, before) == []

@@ -41,6 +41,7 @@ class McpConnection:
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._errlog: IO[str] | None = None
+        self._said = ""
 
     @property
     def protocol_version(self) -> str | None:
@@ -67,7 +68,11 @@ class McpConnection:
                     server: Any = _StdioTransport(_stdio_params(self.config), self._errlog)
                 else:
                     server = await stack.enter_async_context(_http_transport(self.config))
-                self.client = await stack.enter_async_context(Client(server, cache=None))
+                try:
+                    self.client = await stack.enter_async_context(Client(server, cache=None))
+                except BaseException:
+                    self._said = self.stderr_tail()  # before the log file is closed
+                    raise
                 self._ready.set_result(None)
                 await self._stop.wait()
         except BaseException as exc:  # handed to start(); after it, the calls see it
@@ -82,7 +87,7 @@ class McpConnection:
     def stderr_tail(self, lines: int = 3) -> str:
         """The server's last stderr lines (stdio only), for error messages."""
         if self._errlog is None or self._errlog.closed:
-            return ""
+            return self._said
         with contextlib.suppress(OSError, ValueError):
             self._errlog.flush()
             self._errlog.seek(0)
