@@ -10,6 +10,7 @@ configuration is `flywheel.toolsets.ToolsetConfig` (`kind` + its fields), as
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi import APIRouter, Header, HTTPException, Request, status
@@ -37,6 +38,14 @@ class NewToolset(BaseModel):
     config: ToolsetConfig
 
 
+def _named(name: str) -> str:
+    """`name` if a toolset could be called that, else 404 (nothing else can exist)."""
+    if not re.fullmatch(NAME_PATTERN, name):
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no toolset {name[:100]!r} (names "
+                            f"match {NAME_PATTERN})")
+    return name
+
+
 def _unreadable(err: ToolsetError) -> HTTPException:
     return HTTPException(status.HTTP_502_BAD_GATEWAY, f"{err} — nothing was registered")
 
@@ -55,6 +64,7 @@ def toolsets_router() -> APIRouter:
     @router.get("/{name}")
     async def toolset(name: str, request: Request, _: Principal = reader) -> dict[str, Any]:
         """One toolset: configuration (secrets masked), tools and schemas, versions."""
+        _named(name)
         async with request.app.state.db.connect() as conn:
             found = await show(conn, name)
         if found is None:
@@ -83,7 +93,7 @@ def toolsets_router() -> APIRouter:
         """Read a registered toolset's tools again (a new version if they changed)."""
         who = actor_name(principal, x_flywheel_actor)
         async with request.app.state.db.connect() as conn:
-            reg = await current(conn, name)
+            reg = await current(conn, _named(name))
         if reg is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"no toolset {name!r}")
         try:
@@ -99,7 +109,7 @@ def toolsets_router() -> APIRouter:
         who = actor_name(principal, x_flywheel_actor)
         try:
             async with request.app.state.db.begin() as conn:
-                event = await remove(conn, name, actor=who,
+                event = await remove(conn, _named(name), actor=who,
                                      topics=settings_of(request).topics)
         except NotRegistered as err:
             raise HTTPException(status.HTTP_404_NOT_FOUND, str(err)) from err
