@@ -11,8 +11,9 @@ backend is one of (discriminated on `kind`):
 * `mcp_http` — an MCP server at a streamable-HTTP `url`, with `headers`; a header value may
   name an environment variable as `${NAME}` (read when connecting, never stored), which is
   how a secret stays out of the event log. Episodes are kept apart by the reset protocol.
-* `python` — a class at an import path (`package.module:Class`): one instance per episode,
-  its public methods are the tools (`flywheel.tools.python_backend`).
+* `python` — a class at an import path (`package.module:Class`) or an entry point of the
+  group `flywheel.toolsets`: one instance per episode, its public methods are the tools
+  (`flywheel.tools.python_backend`).
 
 The reset protocol (docs/TOOLS.md): every call Flywheel makes carries the episode's session
 key in the request's `_meta` (`io.flywheel/session`); a server that lists a tool
@@ -97,8 +98,9 @@ class McpHttp(_Common):
 
 class PythonClass(_Common):
     kind: Literal["python"] = "python"
-    target: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-    """`package.module:Class`."""
+    target: str = Field(pattern=r"^([A-Za-z_][\w.]*:[A-Za-z_]\w*|[A-Za-z0-9][\w.-]*)$")
+    """`package.module:Class`, or the name of an entry point in the group
+    `flywheel.toolsets` (a package that ships a toolset declares one)."""
 
 
 ToolsetConfig = Annotated[McpStdio | McpHttp | PythonClass, Field(discriminator="kind")]

@@ -19,7 +19,7 @@ from flywheel.tasks import RolloutNotRun
 from flywheel.tools.descriptors import Registration
 from flywheel.tools.runtime import Slots, ToolsetRuntime
 from flywheel.tools.session import EpisodePlan, ToolSession
-from flywheel.toolsets import McpHttp
+from flywheel.toolsets import McpHttp, PythonClass
 from tests.support import py_toolset
 from tests.support.toolsets import http_server, python, received, registered, stdio
 
@@ -241,3 +241,17 @@ async def test_session_slots_bound_a_toolset_and_a_group_takes_its_slots_togethe
     assert slots.free == 1
     with pytest.raises(ValueError, match="max_sessions"):
         await slots.acquire(5)
+
+
+async def test_python_tools_come_from_signatures_or_an_entry_point() -> None:
+    notes = await registered("notes-py", python())
+    add = notes.tool("add_note")
+    assert add is not None and add.description == "Add a note."  # the first paragraph
+    assert add.parameters["properties"] == {"text": {"type": "string"}}
+    assert add.parameters["required"] == ["text"]
+    assert notes.tool("reset") is None and notes.tool("state") is None
+    assert [t.name for t in notes.tools if t.marked_destructive] == ["wipe_notes"]
+    assert notes.protocol_tools == ["flywheel_reset", "flywheel_state"]
+    shipped = await registered("wp", PythonClass(target="workplace"))  # flywheel.toolsets
+    assert len(shipped.tools) == 9 and shipped.has_state
+    assert [t.name for t in shipped.tools if t.marked_destructive] == ["tickets_purge"]

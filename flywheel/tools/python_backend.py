@@ -1,4 +1,5 @@
-"""Python toolsets: a class at `package.module:Class`, one instance per episode.
+"""Python toolsets: a class at `package.module:Class` (or an entry point of the group
+`flywheel.toolsets`), one instance per episode.
 
 The class's public methods are its tools, except `reset` and `state`:
 
@@ -28,6 +29,7 @@ import importlib
 import inspect
 import json
 from collections.abc import Callable
+from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError, create_model
@@ -53,7 +55,19 @@ def destructive(method: F) -> F:
     return method
 
 
+ENTRY_POINTS = "flywheel.toolsets"
+
+
 def load_class(target: str) -> type:
+    """The class at `package.module:Class`, or the one entry point `target` of the group
+    `flywheel.toolsets` names."""
+    if ":" not in target:
+        found = [ep for ep in entry_points(group=ENTRY_POINTS) if ep.name == target]
+        if not found:
+            names = sorted(ep.name for ep in entry_points(group=ENTRY_POINTS))
+            raise ToolsetError(f"Python toolset {target!r}: no entry point of that name in "
+                               f"the group {ENTRY_POINTS!r} (installed: {names})")
+        target = found[0].value
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)
