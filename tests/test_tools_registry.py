@@ -151,6 +151,13 @@ async def test_services_find_registered_toolsets_through_the_registry(
     (session,) = await runtime.open_sessions([EpisodePlan(key="k")])
     assert isinstance(session, ToolSession)
     assert (await session.call("bump", {"by": 3})).observation == "counter is 3"
+    # A new version applies to episodes started after it; this one finishes on v1.
+    await asyncio.to_thread(runner.invoke, app, ["tools", "add", "py", "--python", NOTES,
+                                                 "--deny", "bump"])
+    newer = await catalog.runtime("py")
+    assert (runtime.registration.version, newer.registration.version) == (1, 2)
+    assert newer.unsafe == {"bump", "wipe_notes"}
+    assert (await session.call("bump", {"by": 1})).observation == "counter is 4"
     await runtime.close_session(session)
     await asyncio.to_thread(runner.invoke, app, ["tools", "rm", "py"])
     with pytest.raises(Exception, match="no such toolset is registered"):

@@ -113,6 +113,8 @@ class McpBackend:
             return await self._connect(timeout)
         async with self._lock:
             if self._shared is None or self._shared.broken:
+                if self._shared is not None:  # its episodes have failed already: reap it
+                    await self._shared.close()
                 self._shared = await self._connect(timeout)
             return self._shared
 
@@ -183,7 +185,7 @@ class McpSession:
         except RolloutNotRun:
             raise
         except Exception as exc:  # transport failures, results that are not MCP
-            self.conn.broken = self.conn.broken or self.owns
+            self.conn.broken = True  # the next episode connects afresh
             raise unavailable(self.backend.name, f"{name} failed in transport: "
                               f"{type(exc).__name__}: {exc}"[:500]) from exc
         return CallResult(result_text(result), "error" if result.is_error else "ok")

@@ -151,6 +151,8 @@ class Catalog:
 
     async def runtime(self, name: str) -> ToolsetRuntime:
         async with self._lock:
+            if self._retired:
+                await self._reap()
             now = time.monotonic()
             cached = self._runtimes.get(name)
             if cached is not None and now - cached[0] < self.refresh_s:
@@ -171,6 +173,13 @@ class Catalog:
                 self._retired.append(cached[1])
             self._runtimes[name] = (now, runtime)
             return runtime
+
+    async def _reap(self) -> None:
+        """Close the backends of replaced versions once their episodes are over."""
+        done = [r for r in self._retired if r.open_now == 0]
+        self._retired = [r for r in self._retired if r.open_now > 0]
+        for runtime in done:
+            await runtime.aclose()
 
     async def aclose(self) -> None:
         for runtime in [*(r for _, r in self._runtimes.values()), *self._retired]:
