@@ -255,3 +255,23 @@ async def test_python_tools_come_from_signatures_or_an_entry_point() -> None:
     shipped = await registered("wp", PythonClass(target="workplace"))  # flywheel.toolsets
     assert len(shipped.tools) == 9 and shipped.has_state
     assert [t.name for t in shipped.tools if t.marked_destructive] == ["tickets_purge"]
+
+
+async def test_a_reference_end_state_from_calls_on_a_fresh_session(
+        kinds: dict[str, Registration]) -> None:
+    """What an end-state verifier compares against: the expected calls run on a fresh
+    session of the toolset; a call that did nothing is refused, not built on."""
+    for kind in ("python", "stdio"):
+        runtime = ToolsetRuntime(kinds[kind])
+        try:
+            state = await runtime.end_state({"notes": ["a"]}, [
+                {"name": "add_note", "arguments": {"text": "b"}},
+                {"name": "bump", "arguments": {"by": 4}}])
+            assert state == {"notes": ["a", "b"], "counter": 4}
+            with pytest.raises(ValueError, match=r"reference call 1 \(wipe_notes\)"):
+                await runtime.end_state(None, [{"name": "wipe_notes"}])
+            with pytest.raises(ValueError, match=r"reference call 1 \(bump\)"):
+                await runtime.end_state(None, [{"name": "bump", "arguments": {"by": "x"}}])
+        finally:
+            await runtime.aclose()
+        assert runtime.slots.free == runtime.slots.total

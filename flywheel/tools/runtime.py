@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from flywheel.tasks import RolloutNotRun
@@ -112,6 +113,26 @@ class ToolsetRuntime:
             return unavailable(self.name, f"no session within "
                                f"{self.registration.config.open_timeout_s:g}s")
         return session
+
+    async def end_state(self, initial_state: dict[str, Any] | None,
+                        calls: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+        """The state `calls` (`{"name", "arguments"}` each) reach from `initial_state` on a
+        fresh session: a reference end state (None: the toolset keeps no snapshot). Strict:
+        a call that errs or is refused is a `ValueError` naming it — a reference must not
+        build on a call that did nothing."""
+        (session,) = await self.open_sessions([EpisodePlan(
+            key=f"reference-{uuid.uuid4().hex[:12]}", initial_state=initial_state)])
+        if isinstance(session, RolloutNotRun):
+            raise session
+        try:
+            for n, call in enumerate(calls, start=1):
+                done = await session.call(str(call["name"]), dict(call.get("arguments") or {}))
+                if done.step.status != "ok" or done.step.source != "live":
+                    raise ValueError(f"reference call {n} ({call['name']}) did not run: "
+                                     f"{done.observation[:300]}")
+            return await session.snapshot()
+        finally:
+            await self.close_session(session)
 
     async def close_session(self, session: ToolSession) -> None:
         try:
