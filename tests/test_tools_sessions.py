@@ -7,6 +7,7 @@ infrastructure failed to do (not run) and what the model did wrong (a tool error
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import uuid
@@ -54,11 +55,18 @@ async def _open(runtime: ToolsetRuntime, n: int, initial: list[dict[str, object]
     return opened  # type: ignore[return-value]
 
 
-async def _each_on_its_own_state(runtime: ToolsetRuntime, n: int) -> None:
-    """n episodes in flight, interleaved call by call; each must see only its own world —
-    this fails the moment two episodes share state."""
+def _mine(i: int, initial: bool) -> dict[str, object]:
+    """What episode i's world must be after `_interleaved`, and nothing else."""
+    start = [f"start-{i}"] if initial else []
+    return {"notes": [*start, f"{i}-0", f"{i}-1", f"{i}-2"],
+            "counter": (i if initial else 0) + 3 * (i + 1)}
+
+
+async def _interleaved(runtime: ToolsetRuntime, n: int, initial: bool = True
+                       ) -> tuple[list[str], list[dict[str, object] | None]]:
+    """n episodes in flight, interleaved call by call: what each lists, and its end state."""
     sessions = await _open(runtime, n, [{"notes": [f"start-{i}"], "counter": i}
-                                        for i in range(n)])
+                                        for i in range(n)] if initial else None)
     try:
         for r in range(3):
             await asyncio.gather(*(s.call("add_note", {"text": f"{i}-{r}"})
@@ -69,10 +77,15 @@ async def _each_on_its_own_state(runtime: ToolsetRuntime, n: int) -> None:
         snaps = await asyncio.gather(*(s.snapshot() for s in sessions))
     finally:
         await asyncio.gather(*(runtime.close_session(s) for s in sessions))
+    return [json.dumps(json.loads(x.observation)) for x in listed], list(snaps)
+
+
+async def _each_on_its_own_state(runtime: ToolsetRuntime, n: int) -> None:
+    """Each episode sees only its own world — fails the moment two episodes share state."""
+    listed, snaps = await _interleaved(runtime, n)
     for i, (seen, snap) in enumerate(zip(listed, snaps, strict=True)):
-        mine = [f"start-{i}", f"{i}-0", f"{i}-1", f"{i}-2"]
-        assert seen.observation.replace(" ", "") == str(mine).replace("'", '"').replace(" ", "")
-        assert snap == {"notes": mine, "counter": i + 3 * (i + 1)}
+        assert seen == json.dumps(_mine(i, True)["notes"])
+        assert snap == _mine(i, True)
     assert runtime.slots.free == runtime.slots.total
 
 
@@ -275,3 +288,20 @@ async def test_a_reference_end_state_from_calls_on_a_fresh_session(
         finally:
             await runtime.aclose()
         assert runtime.slots.free == runtime.slots.total
+
+
+async def test_the_isolation_check_catches_episodes_that_share_state(log: Path) -> None:
+    """The same interleaving on a server that keeps one world for every caller, reached by
+    pretending its tools are read-only (which gets past the shared-server refusal): every
+    episode sees the others' notes, which is what the check above would catch."""
+    reg = await registered("notes-leaky", stdio(log, sessions="shared",
+                                                env={"TOOLSERVER_KEYLESS": "1"}))
+    pretending = reg.model_copy(update={"tools": [
+        t.model_copy(update={"annotations": {"readOnlyHint": True}}) for t in reg.tools]})
+    runtime = ToolsetRuntime(pretending)
+    try:
+        listed, _snaps = await _interleaved(runtime, 4, initial=False)
+    finally:
+        await runtime.aclose()
+    assert all(seen != json.dumps(_mine(i, False)["notes"]) for i, seen in enumerate(listed))
+    assert all(len(json.loads(seen)) == 12 for seen in listed)  # 4 episodes × 3 notes
