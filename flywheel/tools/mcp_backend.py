@@ -93,7 +93,7 @@ class McpBackend:
         session = McpSession(self, conn, key, owns=self._per_process)
         try:
             if RESET_TOOL in reg.protocol_tools:
-                reply = await session.protocol(RESET_TOOL, {"initial_state": initial_state},
+                reply = await session.call(RESET_TOOL, {"initial_state": initial_state},
                                                timeout)
                 if reply.status != "ok":
                     raise unavailable(self.name, f"{RESET_TOOL} failed: {reply.text[:300]}")
@@ -153,13 +153,8 @@ class McpSession:
         self._closed = False
 
     async def call(self, name: str, arguments: dict[str, Any], timeout: float) -> CallResult:
-        return await self._send(name, arguments, timeout)
-
-    async def protocol(self, name: str, arguments: dict[str, Any],
-                       timeout: float) -> CallResult:
-        return await self._send(name, arguments, timeout)
-
-    async def _send(self, name: str, arguments: dict[str, Any], timeout: float) -> CallResult:
+        """Any tool, the reset protocol's included (the session layer keeps those from the
+        model), with the episode's key in `_meta`."""
         from mcp.shared.exceptions import MCPError
 
         client = self.conn.client
@@ -198,7 +193,7 @@ class McpSession:
         reg = self.backend._registration()
         if STATE_TOOL not in reg.protocol_tools:
             return None
-        reply = await self.protocol(STATE_TOOL, {}, reg.config.call_timeout_s)
+        reply = await self.call(STATE_TOOL, {}, reg.config.call_timeout_s)
         if reply.status != "ok":
             raise unavailable(self.backend.name, f"{STATE_TOOL} failed: {reply.text[:300]}")
         try:
@@ -219,7 +214,7 @@ class McpSession:
         if not self.owns and reg is not None and CLOSE_TOOL in reg.protocol_tools \
                 and not self.conn.broken:
             try:
-                await self.protocol(CLOSE_TOOL, {}, reg.config.call_timeout_s)
+                await self.call(CLOSE_TOOL, {}, reg.config.call_timeout_s)
             except RolloutNotRun:
                 pass
         if self.owns:
