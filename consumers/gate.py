@@ -54,6 +54,8 @@ from flywheel.runtime.consume import (
 )
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
 from flywheel.runtime.entrypoint import cancel_all, run_faststream
+from flywheel.tools.registry import registry_catalog
+from flywheel.tools.runtime import use_catalog
 
 log = logging.getLogger("flywheel.gate")
 
@@ -62,6 +64,9 @@ def build_app(settings: Settings) -> FastStream:
     broker = KafkaBroker(resolve_bootstrap(settings), logger=log)
     engine = make_engine(resolve_db_url(settings), pool_size=2)
     policy = make_policy(settings)
+    # Toolset episodes find their registered toolsets (and share one bound per toolset).
+    toolsets = registry_catalog(engine, settings.tools.registry_refresh_s)
+    use_catalog(toolsets)
     gate = GateService(settings, engine, policy)
     retry = RetryPolicy.of(settings.retry)
     park = parker(engine, "gate", settings.topics)
@@ -99,6 +104,7 @@ def build_app(settings: Settings) -> FastStream:
     async def _close() -> None:
         await cancel_all(tasks)
         await policy.close()
+        await toolsets.aclose()
         await engine.dispose()
 
     return app

@@ -55,6 +55,8 @@ from flywheel.runtime.consume import (
 from flywheel.runtime.endpoints import resolve_bootstrap, resolve_db_url
 from flywheel.runtime.entrypoint import run_faststream
 from flywheel.runtime.inflight import InFlight
+from flywheel.tools.registry import registry_catalog
+from flywheel.tools.runtime import use_catalog
 from flywheel.validation.scoring import ValidationPass
 
 log = logging.getLogger("flywheel.rollout")
@@ -95,6 +97,9 @@ def build_app(settings: Settings) -> FastStream:
     broker = KafkaBroker(resolve_bootstrap(settings), logger=log)
     engine = make_engine(resolve_db_url(settings), pool_size=2)
     policy = make_policy(settings)
+    # Toolset episodes find their registered toolsets (and share one bound per toolset).
+    toolsets = registry_catalog(engine, settings.tools.registry_refresh_s)
+    use_catalog(toolsets)
     retry = RetryPolicy.of(settings.retry)
     serve, park = rollout_handlers(settings, engine, policy, AdapterResolver(engine, settings),
                                    worker_name())
@@ -133,6 +138,7 @@ def build_app(settings: Settings) -> FastStream:
     @app.after_shutdown
     async def _close() -> None:
         await policy.close()
+        await toolsets.aclose()
         await engine.dispose()
 
     return app

@@ -12,6 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from flywheel.toolsets import ToolsetConfig
+
 Scope = Literal["publish", "operate"]
 
 
@@ -615,6 +617,20 @@ class ValidationSettings(BaseModel):
     this many training tasks: more tasks, not more steps, is what helps (docs/VALIDATION.md)."""
 
 
+class ToolsSettings(BaseModel):
+    """The agent's own tools (`flywheel.tools`, docs/TOOLS.md): toolsets declared here are
+    registered (versioned in the event log) by `flywheel tools add NAME` or `flywheel tools
+    sync`; rollouts and the gate run on registered versions only."""
+
+    toolsets: dict[str, ToolsetConfig] = Field(default_factory=dict)
+    """Toolsets by name, e.g. `FLYWHEEL_TOOLS__TOOLSETS='{"crm": {"kind": "mcp_http",
+    "url": "https://crm-staging.internal/mcp", "headers": {"Authorization": "Bearer
+    ${CRM_TOKEN}"}}}'`."""
+    registry_refresh_s: float = Field(default=10.0, gt=0)
+    """How long a process keeps a toolset's registration before reading it again (a new
+    version applies to the episodes started after that)."""
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="FLYWHEEL_", env_nested_delimiter="__", extra="ignore"
@@ -639,6 +655,7 @@ class Settings(BaseSettings):
     relay: RelaySettings = Field(default_factory=RelaySettings)
     api: ApiSettings = Field(default_factory=ApiSettings)
     stack: StackSettings = Field(default_factory=StackSettings)
+    tools: ToolsSettings = Field(default_factory=ToolsSettings)
 
     @model_validator(mode="before")
     @classmethod
@@ -692,6 +709,7 @@ class Topics(BaseModel, frozen=True):
         route = {"DeadLettered": self.trajectories_dlq, "RecordParked": self.parked,
                  "TrajectoriesIngested": self.ingest, "FeedbackReceived": self.ingest,
                  "TaskCreated": self.tasks, "EvalSetFrozen": self.tasks,
+                 "ToolsetRegistered": self.tasks, "ToolsetRemoved": self.tasks,
                  "RolloutRequested": self.rollout_requests, "GroupScored": self.rollouts,
                  **dict.fromkeys(("AdapterTrained", "AdapterEvaluated", "AdapterPromoted",
                                   "AdapterRejected", "AdapterRolledBack", "ServingSwitched",
@@ -716,7 +734,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
     env: dict[str, str] = {"FLYWHEEL_HOME": str(settings.home.resolve()),
                            "FLYWHEEL_POLICY": settings.policy}
     for section in ("kafka", "db", "ingest", "miner", "rollout", "trainer", "artifacts", "gate",
-                    "retry", "relay", "api", "stack"):
+                    "retry", "relay", "api", "stack", "tools"):
         model = getattr(settings, section)
         for key, value in model.model_dump(mode="json").items():
             if value is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -183,6 +183,22 @@ class RolloutRequested(_Event):
     payload: RolloutRequestedPayload
 
 
+class ToolStep(_Payload):
+    """One tool call of a turn on a toolset (`flywheel.tools`): where its answer came from."""
+
+    name: str
+    source: Literal["replay", "live", "stub", "refused", "invalid"]
+    """`replay`: the logged result; `live`: the backend ran it; `stub`: a dry run's recorded
+    answer; `refused`: a destructive tool not allowed live (never executed); `invalid`:
+    answered with an error without reaching the backend (an unknown tool, bad arguments)."""
+    status: Literal["ok", "error", "timeout"]
+    rule: Literal["live", "end", "mask"] | None = None
+    """The replay rule that fired at this call (it left the logged path), if any."""
+    unsafe: bool = False
+    """A call to a destructive tool not allowed live: an unsafe action."""
+    ms: float = 0.0
+
+
 class Turn(_Payload):
     """One model turn: exactly the tokens sampled and their sampling log-probs."""
 
@@ -191,6 +207,8 @@ class Turn(_Payload):
     logprobs: list[float]
     text: str
     finish_reason: str
+    tools: list[ToolStep] | None = None
+    """The turn's tool calls on a toolset, in order (None: not a toolset episode)."""
 
 
 class ScoredRollout(_Payload):
@@ -685,6 +703,45 @@ class OverfittingDetected(_Event):
     payload: OverfittingDetectedPayload
 
 
+class ToolsetRegisteredPayload(_Payload):
+    name: str
+    version: int
+    kind: str
+    """`mcp_stdio`, `mcp_http` or `python` (`flywheel.toolsets`)."""
+    config: dict[str, Any]
+    """The registration as given, header and env values masked unless `${NAME}` references."""
+    tools: list[dict[str, Any]]
+    """The tools read from the backend: name, description, parameters, annotations,
+    destructive."""
+    digest: str
+    """sha256 of the tools' schemas and the configuration: a `check` that reads the same
+    registers nothing new."""
+    protocol_version: str | None
+    """The MCP protocol version the server negotiated (None for a Python toolset)."""
+    actor: str
+
+
+class ToolsetRegistered(_Event):
+    """A toolset was registered, or re-registered with changed tools or configuration."""
+
+    type: Literal["ToolsetRegistered"] = "ToolsetRegistered"
+    payload: ToolsetRegisteredPayload
+
+
+class ToolsetRemovedPayload(_Payload):
+    name: str
+    version: int
+    """The version that was current when it was removed."""
+    actor: str
+
+
+class ToolsetRemoved(_Event):
+    """A toolset was removed: no new episode runs on it (its versions stay in the log)."""
+
+    type: Literal["ToolsetRemoved"] = "ToolsetRemoved"
+    payload: ToolsetRemovedPayload
+
+
 LIFECYCLE_EVENTS = ("AdapterTrained", "AdapterEvaluated", "AdapterPromoted", "AdapterRejected",
                     "AdapterRolledBack", "ServingSwitched", "CandidateProposed")
 """Event types whose projections (`adapter_versions`, `evaluations`, `production`,
@@ -694,7 +751,8 @@ Event = Annotated[DeadLettered | RecordParked | TrajectoriesIngested | FeedbackR
                   | TaskCreated | EvalSetFrozen | RolloutRequested | GroupScored
                   | AdapterTrained | AdapterEvaluated | AdapterPromoted | AdapterRejected
                   | AdapterRolledBack | ServingSwitched | ValidationScored
-                  | CandidateProposed | OverfittingDetected,
+                  | CandidateProposed | OverfittingDetected | ToolsetRegistered
+                  | ToolsetRemoved,
                   Field(discriminator="type")]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 

@@ -42,8 +42,13 @@ AttemptFailure = FailureMode | AttemptOnlyFailure
 ATTEMPT_FAILURES: tuple[str, ...] = (
     *FAILURE_MODES, *AttemptOnlyFailure.__args__)  # type: ignore[attr-defined]
 """Every failure mode an attempt can have (`AttemptFailure`, in order)."""
-NotRunKind = Literal["crash", "sandbox", "judge_unavailable", "verifier_timeout"]
-"""Infrastructure failures: the attempt could not be scored, through no fault of the model."""
+NotRunKind = Literal["crash", "sandbox", "judge_unavailable", "verifier_timeout",
+                     "toolset_unavailable", "replay_masked"]
+"""Infrastructure failures: the attempt could not be scored, through no fault of the model.
+`toolset_unavailable`: a toolset's server was down, crashed or could not start a session;
+`replay_masked`: a replayed episode left the logged path under the rule `mask`."""
+ReplayRule = Literal["live", "end", "mask"]
+"""What a replayed episode does when the policy leaves the logged path (`flywheel.toolsets`)."""
 Split = Literal["train", "holdout"]
 
 
@@ -119,6 +124,50 @@ class WorkplaceSpec(_Frozen):
     unsafe_tools: list[str] = Field(default_factory=list)
 
 
+class LoggedCall(_Frozen):
+    """One tool call as the agent's trajectory logged it, with the result it got."""
+
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    output: str
+    status: Literal["ok", "error", "timeout"] = "ok"
+
+
+class ToolsetSpec(_Frozen):
+    """Multi-step on a registered toolset (`flywheel.toolsets`), scored on what was done.
+
+    The episode opens a session of `toolset` on `initial_state` (None: the backend's own
+    fresh state). With `replay`, the logged calls are answered with their logged results
+    while the policy makes them (same tool, arguments equal under the verifier's argument
+    matching); off that path `on_divergence` (or else the toolset's rule) decides.
+
+    Scoring: a call to an unsafe tool (`unsafe_tools`, the toolset's destructive tools not
+    allowed live) → 0 `unsafe_action`; more calls than `max_steps` → 0 `incomplete`;
+    otherwise success (1.0) iff the end state equals `expected_state` (when given; the
+    toolset's `state()` snapshot) and every `expected_calls` entry was made (a multiset,
+    arguments matched by the tool's schema). What was done short of it earns 0.5 × the share
+    of those checks passed. Whole-episode verifiers (outcomes, loops, several user turns)
+    extend this spec.
+    """
+
+    kind: Literal["toolset"] = "toolset"
+    toolset: str
+    initial_state: dict[str, Any] | None = None
+    replay: list[LoggedCall] | None = None
+    on_divergence: ReplayRule | None = None
+    expected_state: dict[str, Any] | None = None
+    expected_calls: list[ExpectedCall] = Field(default_factory=list)
+    max_steps: int = Field(default=8, ge=1)
+    unsafe_tools: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _checks_something(self) -> ToolsetSpec:
+        if self.expected_state is None and not self.expected_calls:
+            raise ValueError("a toolset task needs expected_state or expected_calls: "
+                             "nothing else says whether an episode succeeded")
+        return self
+
+
 class CodeSpec(_Frozen):
     """Generated Python must pass `tests` in the sandbox."""
 
@@ -137,7 +186,7 @@ class JudgeSpec(_Frozen):
     reference: str | None = None
 
 
-VerifierSpec = Annotated[ToolCallSpec | WorkplaceSpec | CodeSpec | JudgeSpec,
+VerifierSpec = Annotated[ToolCallSpec | WorkplaceSpec | ToolsetSpec | CodeSpec | JudgeSpec,
                          Field(discriminator="kind")]
 
 

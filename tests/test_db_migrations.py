@@ -35,7 +35,7 @@ async def test_upgrade_head_on_empty_database_then_no_drift(postgres: LocalPostg
                       "serving_state", "eval_runs", "baselines", "feedback",
                       "trajectory_outcomes", "gate_status", "validation_tasks",
                       "validation_runs", "validation_status", "candidate_selections", "otel_spans",
-                      "served_responses"}
+                      "served_responses", "toolsets"}
 
 
 def test_revisions_form_one_line() -> None:

@@ -14,6 +14,7 @@ from flywheel.environments import (
 from flywheel.environments.code import CodeEnvironment
 from flywheel.environments.judge import JudgeEnvironment
 from flywheel.environments.tool_call import ToolCallEnvironment
+from flywheel.environments.toolset import ToolsetEnvironment
 from flywheel.environments.workplace import WorkplaceEnvironment
 from flywheel.tasks import (
     ExpectedCall,
@@ -26,7 +27,8 @@ from flywheel.tasks import (
 
 @pytest.mark.parametrize("name, cls", [("tool_call", ToolCallEnvironment),
                                        ("workplace", WorkplaceEnvironment),
-                                       ("code", CodeEnvironment), ("judge", JudgeEnvironment)])
+                                       ("code", CodeEnvironment), ("judge", JudgeEnvironment),
+                                       ("toolset", ToolsetEnvironment)])
 def test_builtins_load_through_entry_points(name: str, cls: type[Environment]) -> None:
     env = load_environment(name)
     assert isinstance(env, cls)
@@ -35,9 +37,10 @@ def test_builtins_load_through_entry_points(name: str, cls: type[Environment]) -
 
 
 def test_unknown_environment_lists_the_available_ones() -> None:
-    assert {"tool_call", "workplace", "code", "judge"} <= set(available_environments())
+    assert {"tool_call", "workplace", "code", "judge", "toolset"} <= set(
+        available_environments())
     with pytest.raises(UnknownEnvironment, match="unknown environment 'chess'; available: "
-                                                 "code, judge, tool_call, workplace"):
+                                                 "code, judge, tool_call, toolset, workplace"):
         load_environment("chess")
 
 

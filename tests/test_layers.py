@@ -22,12 +22,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TOPS = ("flywheel", "consumers", "producers")
 VOCABULARY = {"config", "errors", "events", "trajectory", "tasks", "formats", "feedback",
-              "responses_log"}
+              "responses_log", "toolsets"}
 LAYERS: dict[str, int] = {
     # 0: the vocabulary, the ground floor: imports nothing else of ours
     **dict.fromkeys(VOCABULARY, 0),
     # 1: infrastructure and engines that know no domain process
-    "db": 1, "runtime": 1, "policy": 1, "environments": 1, "web": 1,
+    "db": 1, "runtime": 1, "policy": 1, "environments": 1, "web": 1, "tools": 1,
     # 2: domain stores and the processes' pure parts
     "adapters": 2, "ingest": 2, "mining": 2, "producers": 2,
     # 3: the loop's roles, and the OpenAI endpoint
@@ -49,6 +49,10 @@ SAME_LAYER_ALLOWED = {
     ("trajectory", "formats"),   # the wire format converts what agents log (pure dict → dict)
     ("trajectory", "responses_log"),
     ("feedback", "trajectory"), ("feedback", "formats"),  # feedback carries items, corrections
+    ("config", "toolsets"),    # toolsets may be declared in the settings
+    ("toolsets", "tasks"),     # a toolset's replay rule is the tasks' `ReplayRule`
+    ("environments", "tools"),  # the `toolset` environment runs episodes on toolset sessions
+    ("tools", "db"),           # registrations are versions in Postgres and events (outbox)
 }
 """Edges inside one layer that are the design, not an accident (every other is refused);
 each must be used by the tree, so an allowance cannot outlive the edge it was made for."""

@@ -1,4 +1,5 @@
-"""Groups on the real model (SmolLM2-135M, local engine): tool_call and multi-step workplace.
+"""Groups on the real model (SmolLM2-135M, local engine): tool_call, multi-step workplace, and
+the workplace world as a toolset over MCP.
 
 The sampling log-probs recorded in each turn must match a fresh forward pass of the same
 model over the same tokens: the trainer relies on them for importance ratios.
@@ -6,6 +7,7 @@ model over the same tokens: the trainer relies on them for importance ratios.
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import AsyncIterator
 
@@ -13,12 +15,16 @@ import pytest
 
 from flywheel.demo.samples import TOOLS
 from flywheel.environments import load_environment
-from flywheel.environments.workplace import WORKPLACE_TOOLS
+from flywheel.environments.toolset import ToolsetEnvironment
+from flywheel.environments.workplace import WORKPLACE_TOOLS, canonical_state
 from flywheel.events import ScoredRollout
 from flywheel.policy.local import LocalPolicy
 from flywheel.policy.model_cache import resolve_model_dir
 from flywheel.rollout.loop import GroupConfig, run_group
-from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec, WorkplaceSpec
+from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec, ToolsetSpec, WorkplaceSpec
+from flywheel.tools.registry import read_toolset
+from flywheel.tools.runtime import Catalog
+from flywheel.toolsets import McpStdio
 
 pytestmark = [pytest.mark.slow]
 TOLERANCE = 1e-3
@@ -127,3 +133,41 @@ async def test_multi_step_workplace_group_on_the_real_model(policy: LocalPolicy)
         last = fmt.parse(r.turns[-1].text)
         assert len(r.turns) == cfg.max_steps or not last["tool_calls"]
     assert await _check_logprobs(policy, out.rollouts, cfg.temperature) >= 4
+
+
+async def test_multi_step_toolset_group_over_mcp_on_the_real_model(policy: LocalPolicy) -> None:
+    """The same workplace episode on the workplace world served as a toolset over MCP
+    (stdio, one shared server): the real engine's batched episodes call it through the
+    session layer, every attempt is scored (the server is up: nothing is not run), and each
+    turn with calls says where every call's answer came from."""
+    target = "flywheel.environments.workplace_tools:WorkplaceTools"
+    reg = (await read_toolset("workplace", McpStdio(
+        command=sys.executable, args=["-m", "flywheel.tools.mcp_serve", target],
+        sessions="shared"))).model_copy(update={"version": 1})
+    initial = {"tickets": {"items": [{"id": "tkt-1", "title": "Printer jammed",
+                                      "priority": 3, "status": "open", "assignee": None}]}}
+    expected = {"tickets": {"items": [{**initial["tickets"]["items"][0], "status": "closed"}]}}
+    task = TaskSpec(task_id=uuid.uuid4(), env="toolset", tools=WORKPLACE_TOOLS,
+                    messages=[{"role": "user", "content": "Close ticket tkt-1, it is fixed."}],
+                    verifier=ToolsetSpec(toolset="workplace", initial_state=initial,
+                                         expected_state=canonical_state(expected), max_steps=3),
+                    failure_mode="wrong_tool", fingerprint="z", split="train")
+    cfg = GroupConfig(group_size=2, max_tokens=40, temperature=0.7, max_steps=2,
+                      rollout_timeout_s=1800)
+    catalog = Catalog.of([reg])
+    try:
+        out = await run_group(policy, task, ToolsetEnvironment(catalog), cfg, adapter=None,
+                              seed=3, group_key="g-toolset")
+    finally:
+        await catalog.aclose()
+    assert len(out.scored) == 2
+    fmt = policy.chat_format
+    for r in out.rollouts:
+        for turn in r.turns:
+            calls = fmt.parse(turn.text)["tool_calls"]
+            if calls:
+                assert turn.tools is not None and 1 <= len(turn.tools) <= len(calls)
+                assert all(s.source in ("live", "invalid", "refused") for s in turn.tools)
+            else:
+                assert turn.tools is None
+    assert await _check_logprobs(policy, out.rollouts, cfg.temperature) >= 2

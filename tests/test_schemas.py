@@ -116,11 +116,12 @@ def test_every_event_type_has_one_topic() -> None:
     topics = Topics.for_prefix("p")
     union = get_args(get_args(Event)[0])
     types = [cls.model_fields["type"].default for cls in union]
-    assert len(types) == 17
+    assert len(types) == 19
     for validation_event in ("ValidationScored", "CandidateProposed", "OverfittingDetected"):
         assert topics.for_event(validation_event) == "p.adapters"
     assert topics.for_event("FeedbackReceived") == "p.ingest"
     assert topics.for_event("RecordParked") == "p.parked"
+    assert topics.for_event("ToolsetRegistered") == topics.for_event("ToolsetRemoved") == "p.tasks"
     assert {t: topics.for_event(t) for t in types}["GroupScored"] == "p.rollouts"
     assert {topics.for_event(t) for t in types} <= set(topics.all())
     with pytest.raises(KeyError, match=r"add it to Topics\.for_event"):

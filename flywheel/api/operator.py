@@ -81,7 +81,7 @@ def _db(request: Request) -> AsyncEngine:
     return engine
 
 
-def _actor(principal: Principal, name: str | None) -> str:
+def actor_name(principal: Principal, name: str | None) -> str:
     if name is not None:
         storable_or_422(name, "the X-Flywheel-Actor header")
         if len(name) > MAX_ACTOR:
@@ -165,7 +165,7 @@ def operator_router() -> APIRouter:
             async with _db(request).begin() as conn:
                 event = await lifecycle.rollback(
                     conn, settings.policy, to=to, reason=body.reason,
-                    actor=_actor(principal, x_flywheel_actor), topics=settings.topics)
+                    actor=actor_name(principal, x_flywheel_actor), topics=settings.topics)
         except lifecycle.LifecycleError as err:
             raise _error(err) from err
         return event.model_dump(mode="json")
@@ -195,7 +195,7 @@ def operator_router() -> APIRouter:
         try:
             async with _db(request).begin() as conn:
                 event = await lifecycle.approve(
-                    conn, evaluation_id, actor=_actor(principal, x_flywheel_actor),
+                    conn, evaluation_id, actor=actor_name(principal, x_flywheel_actor),
                     reason=body.reason, topics=settings.topics, force=body.force)
         except lifecycle.LifecycleError as err:
             raise _error(err) from err
@@ -209,7 +209,7 @@ def operator_router() -> APIRouter:
         try:
             async with _db(request).begin() as conn:
                 event = await lifecycle.reject(
-                    conn, evaluation_id, actor=_actor(principal, x_flywheel_actor),
+                    conn, evaluation_id, actor=actor_name(principal, x_flywheel_actor),
                     reason=body.reason, topics=settings.topics)
         except lifecycle.LifecycleError as err:
             raise _error(err) from err

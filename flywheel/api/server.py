@@ -20,6 +20,7 @@ def build_app(settings: Settings) -> FastAPI:
     from flywheel.api.metrics import metrics_router
     from flywheel.api.operator import operator_lifespan, operator_router
     from flywheel.api.publishing import gateway_lifespan
+    from flywheel.api.toolsets_routes import toolsets_router
     from flywheel.api.traces import traces_router
     from flywheel.serving.lifespan import serving_lifespan
     from flywheel.serving.responses_routes import responses_router
@@ -28,7 +29,8 @@ def build_app(settings: Settings) -> FastAPI:
 
     return create_app(settings,
                       routers=[gateway_router(), traces_router(), feedback_router(),
-                               intake_router(), operator_router(), serving_router(),
+                               intake_router(), operator_router(), toolsets_router(),
+                               serving_router(),
                                responses_router(),
                                metrics_router(), dashboard_router()],
                       lifespan_hooks=[gateway_lifespan, operator_lifespan, serving_lifespan])

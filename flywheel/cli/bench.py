@@ -170,3 +170,21 @@ def bench_trainer(
                                max_tokens=max_tokens, staleness=staleness,
                                sequential=sequential, trl=trl)
     print_result(result, as_json)
+
+
+@bench_app.command("tools")
+def bench_tools(
+    calls: Annotated[int, typer.Option(help="Sequential calls per round-trip leg.")] = 300,
+    episodes: Annotated[int, typer.Option(help="Scripted episodes per throughput leg.")] = 64,
+    in_flight: Annotated[int, typer.Option(help="N: episodes in flight.")] = 32,
+    sessions: Annotated[int, typer.Option(
+        help="stdio sessions (a server process each) held for the memory figure.")] = 32,
+    as_json: JsonOpt = False,
+) -> None:
+    """Toolset sessions on the workplace world: one call's round trip over MCP stdio and
+    HTTP against the Python toolset, episodes/s with N in flight vs one at a time, and the
+    memory of N stdio sessions in flight."""
+    from flywheel.bench.tools import run_tools_bench
+
+    print_result(run_tools_bench(calls=calls, episodes=episodes, in_flight=in_flight,
+                                 sessions=sessions), as_json)

@@ -14,6 +14,7 @@ from flywheel.cli.publish import publish
 from flywheel.cli.review import adapters_app, promotions_app, replay
 from flywheel.cli.stack import down, migrate, status, up
 from flywheel.cli.tasks import evalset_app, tasks_app
+from flywheel.cli.tools import tools_app
 from flywheel.cli.verify import verify_app
 from flywheel.cli.vllm import vllm_app
 
@@ -22,7 +23,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
 for name, group in [("bench", bench_app), ("tasks", tasks_app), ("evalset", evalset_app),
                     ("verify", verify_app), ("policy", policy_app),
                     ("promotions", promotions_app), ("vllm", vllm_app),
-                    ("adapters", adapters_app), ("losses", losses_app)]:
+                    ("adapters", adapters_app), ("losses", losses_app), ("tools", tools_app)]:
     app.add_typer(group, name=name)
 for command in [replay, publish, baseline, up, down, migrate, status, simulate, demo]:
     app.command()(command)  # type: ignore[type-var]  # a list of functions of many shapes

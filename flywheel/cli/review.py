@@ -343,17 +343,22 @@ def adapters_evaluate(version: int, as_json: JsonOpt = False) -> None:
     from flywheel.gate.candidate import GateService
     from flywheel.policy.factory import make_policy
     from flywheel.runtime.endpoints import resolve_db_url
+    from flywheel.tools.registry import registry_catalog
+    from flywheel.tools.runtime import use_catalog
 
     settings = load_settings()
 
     async def go() -> Any:
         engine = make_engine(resolve_db_url(settings), pool_size=2)
         policy = make_policy(settings)
+        toolsets = registry_catalog(engine, settings.tools.registry_refresh_s)
+        use_catalog(toolsets)
         try:
             events = await GateService(settings, engine, policy).evaluate_version(version)
             return [e.model_dump(mode="json") for e in events]
         finally:
             await policy.close()
+            await toolsets.aclose()
             await engine.dispose()
 
     try:

@@ -572,3 +572,25 @@ class ServedResponseRow(Base):
     """The `response` object as it was answered."""
     created_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now())
+
+
+class ToolsetRow(Base):
+    """One registered version of a toolset (a projection of `ToolsetRegistered` /
+    `ToolsetRemoved`): the configuration as given (secrets included, unlike the event) and
+    the tools read from the backend."""
+
+    __tablename__ = "toolsets"
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    kind: Mapped[str] = mapped_column(Text)
+    config: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    tools: Mapped[list[Any]] = mapped_column(JSONB)
+    protocol_version: Mapped[str | None] = mapped_column(Text)
+    protocol_tools: Mapped[list[Any]] = mapped_column(JSONB)
+    digest: Mapped[str] = mapped_column(Text)
+    registered_by: Mapped[str] = mapped_column(Text)
+    registered_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now())
+    removed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    """Set on the newest version when the toolset was removed."""

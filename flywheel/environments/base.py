@@ -10,29 +10,49 @@ answer. Only a failure of the infrastructure (a judge or sandbox unavailable) ra
 Multi-step environments also host sessions: `reset` opens one, `step` applies one tool call
 and returns the observation, `session_output` gives what `verify` scores, `close` drops it.
 Session state lives in `Sessions`, keyed by session id, so two rollouts never share state.
+The rollout loop calls the async forms (`aopen`, `astep`, `asession_output`, `aclose`);
+their defaults wrap the sync ones, and an environment whose sessions are I/O (a toolset's
+servers) implements them instead. `astep` may end the episode (`StepResult.end`) and may
+record where the answer came from (`StepResult.record`, kept on the turn); `aopen` and
+`astep` raise `RolloutNotRun` when the infrastructure fails, never for the model's mistakes.
 """
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Literal, TypeVar
 
+from flywheel.events import ToolStep
 from flywheel.tasks import (
     CodeSpec,
     JudgeSpec,
+    RolloutNotRun,
     TaskSpec,
     ToolCallSpec,
+    ToolsetSpec,
     VerifierResult,
     WorkplaceSpec,
 )
 
-AnySpec = ToolCallSpec | WorkplaceSpec | CodeSpec | JudgeSpec
+AnySpec = ToolCallSpec | WorkplaceSpec | ToolsetSpec | CodeSpec | JudgeSpec
 ToolSchemas = Sequence[Mapping[str, Any]]
 """OpenAI function-tool schemas, flat (`{"type": "function", "name": …, "parameters": …}`)."""
 
 S = TypeVar("S", bound=AnySpec)
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one tool call gave: the observation, whether the episode ends here, and where
+    the answer came from (toolset episodes)."""
+
+    observation: str
+    end: bool = False
+    record: ToolStep | None = None
 
 
 class Environment(ABC):
@@ -72,6 +92,29 @@ class Environment(ABC):
     def close(self, session_id: str) -> None:
         """Drop the session's state (idempotent)."""
         raise NotImplementedError(self._single_step_message())
+
+    async def aopen(self, session_ids: Sequence[str], spec: AnySpec
+                    ) -> list[RolloutNotRun | None]:
+        """Open the sessions of a group together; per session None, or why it could not
+        be opened (it is then not run)."""
+        out: list[RolloutNotRun | None] = []
+        for session_id in session_ids:
+            try:
+                self.reset(session_id, spec)
+                out.append(None)
+            except RolloutNotRun as err:
+                out.append(err)
+        return out
+
+    async def astep(self, session_id: str, name: str,
+                    arguments: Mapping[str, Any] | str) -> StepResult:
+        return StepResult(await asyncio.to_thread(self.step, session_id, name, arguments))
+
+    async def asession_output(self, session_id: str) -> object:
+        return self.session_output(session_id)
+
+    async def aclose(self, session_id: str) -> None:
+        self.close(session_id)
 
     def _single_step_message(self) -> str:
         return (f"environment {self.name!r} is single-step: score the model's output with "

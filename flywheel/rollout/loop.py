@@ -11,7 +11,11 @@ the environment and their results appended as `tool` messages (`tool_call_id`), 
 rendered by the same format; a reply without tool calls (a final answer, or one that could not
 be parsed) ends the episode, as it ends an agent's turn in production. Each turn records the
 exact prompt ids it was sampled after. Each episode runs under its own deadline, so one
-straggler cannot hold the group.
+straggler cannot hold the group. On a toolset (`flywheel.environments.toolset`) a call may
+end the episode (the replay rule `end`, a destructive call refused) and says where its
+answer came from (replay, live, a stub; the replay rule that fired): kept on the turn as
+`Turn.tools`. A toolset the infrastructure failed (its server died) leaves the attempt not
+run; a bad call by the model is a tool error message and the episode goes on.
 
 Every attempt the model made is scored (`score`): an empty reply is `empty`, an unreadable one
 `invalid_format`, sampling past the deadline `timeout`, and a reply cut by `max_tokens`
@@ -39,7 +43,7 @@ from typing import Any
 
 from flywheel.environments.base import Environment
 from flywheel.environments.prompt import task_messages, task_tools
-from flywheel.events import ScoredRollout, Turn
+from flywheel.events import ScoredRollout, ToolStep, Turn
 from flywheel.policy.base import AdapterRef, Completion, Policy, PolicyError, SamplingParams
 from flywheel.policy.chat_format import ChatFormat
 from flywheel.tasks import AttemptFailure, RolloutNotRun, TaskSpec, VerifierResult
@@ -127,7 +131,7 @@ def _params(cfg: GroupConfig, n: int, seed: int) -> SamplingParams:
     return SamplingParams(n=n, max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=seed)
 
 
-def _output(env: Environment, fmt: ChatFormat, c: Completion) -> Any:
+def _read(env: Environment, fmt: ChatFormat, c: Completion) -> Any:
     return fmt.parse(c.text) if env.reads == "message" else c.text
 
 
@@ -147,7 +151,7 @@ async def _single_step(policy: Policy, task: TaskSpec, env: Environment, prompt:
         return [_scored(i, crash, [], started) for i in range(cfg.group_size)]
     fmt = policy.chat_format
     results = await asyncio.gather(*(
-        _verify(env, task, _output(env, fmt, c), cfg.rollout_timeout_s) for c in completions))
+        _verify(env, task, _read(env, fmt, c), cfg.rollout_timeout_s) for c in completions))
     return [_scored(i, r, [_turn(c)], started)
             for i, (c, r) in enumerate(zip(completions, results, strict=True))]
 
@@ -159,15 +163,36 @@ def _arguments(call: dict[str, Any]) -> dict[str, Any]:
     return args
 
 
+@dataclass
+class _Acted:
+    messages: list[dict[str, Any]]
+    steps: list[ToolStep]
+    ended: bool
+
+
 async def _run_calls(env: Environment, session: str, reply: dict[str, Any],
-                     timeout: float) -> list[dict[str, Any]]:
-    """Execute the reply's calls in order; their results as `tool` messages."""
-    results = []
+                     timeout: float) -> _Acted:
+    """Execute the reply's calls in order; their results as `tool` messages. A call the
+    environment ends the episode at stops there (the calls after it are not run)."""
+    acted = _Acted([], [], False)
     for call in reply["tool_calls"]:
-        observation = await asyncio.wait_for(asyncio.to_thread(
-            env.step, session, call["function"]["name"], _arguments(call)), max(timeout, 0.001))
-        results.append({"role": "tool", "tool_call_id": call["id"], "content": observation})
-    return results
+        step = await asyncio.wait_for(
+            env.astep(session, call["function"]["name"], _arguments(call)),
+            max(timeout, 0.001))
+        if step.record is not None:
+            acted.steps.append(step.record)
+        if step.end:
+            acted.ended = True
+            break
+        acted.messages.append({"role": "tool", "tool_call_id": call["id"],
+                               "content": step.observation})
+    return acted
+
+
+def _with_steps(turns: list[Turn], steps: list[ToolStep]) -> None:
+    """Keep on the last turn where its calls' answers came from (toolset episodes)."""
+    if steps:
+        turns[-1] = turns[-1].model_copy(update={"tools": steps})
 
 
 def _reply(fmt: ChatFormat, c: Completion, step: int) -> dict[str, Any] | None:
@@ -176,10 +201,24 @@ def _reply(fmt: ChatFormat, c: Completion, step: int) -> dict[str, Any] | None:
     return reply if reply["tool_calls"] else None
 
 
+async def _output(env: Environment, task: TaskSpec, session: str,
+                  timeout: float) -> VerifierResult | RolloutNotRun:
+    try:
+        output = await asyncio.wait_for(env.asession_output(session), max(timeout, 1.0))
+    except RolloutNotRun as err:
+        return err
+    except TimeoutError:
+        return RolloutNotRun("verifier_timeout", "the session's output (its end state) "
+                             f"was not read within {timeout:.0f}s")
+    return await _verify(env, task, output, max(timeout, 1.0))
+
+
 async def _episode(policy: Policy, task: TaskSpec, env: Environment, prompt: _Prompt,
                    cfg: GroupConfig, adapter: AdapterRef | None, seed: int, index: int,
                    session_id: str, turns: list[Turn]) -> VerifierResult | RolloutNotRun:
-    env.reset(session_id, task.verifier)
+    (opened,) = await env.aopen([session_id], task.verifier)
+    if opened is not None:
+        return opened
     try:
         messages = list(prompt.messages)
         for step in range(cfg.max_steps):
@@ -192,10 +231,17 @@ async def _episode(policy: Policy, task: TaskSpec, env: Environment, prompt: _Pr
             reply = _reply(policy.chat_format, c, step)
             if reply is None:
                 break
-            messages += [reply, *await _run_calls(env, session_id, reply, cfg.rollout_timeout_s)]
-        return await _verify(env, task, env.session_output(session_id), cfg.rollout_timeout_s)
+            try:
+                acted = await _run_calls(env, session_id, reply, cfg.rollout_timeout_s)
+            except RolloutNotRun as err:
+                return err
+            _with_steps(turns, acted.steps)
+            messages += [reply, *acted.messages]
+            if acted.ended:
+                break
+        return await _output(env, task, session_id, cfg.rollout_timeout_s)
     finally:
-        env.close(session_id)
+        await env.aclose(session_id)
 
 
 class _Episode:
@@ -208,24 +254,33 @@ class _Episode:
 
 
 async def _act(env: Environment, ep: _Episode, reply: dict[str, Any], timeout: float) -> None:
-    """Run the episode's tool calls; a step that overruns the deadline ends the episode."""
+    """Run the episode's tool calls; a step that overruns the deadline ends the episode, one
+    the infrastructure failed leaves it not run."""
     try:
-        results = await _run_calls(env, ep.session, reply, timeout)
+        acted = await _run_calls(env, ep.session, reply, timeout)
     except TimeoutError:
         ep.result = failed("timeout", "the episode ran past the rollout deadline")
         return
-    ep.messages += [reply, *results]
+    except RolloutNotRun as err:
+        ep.result = err
+        return
+    _with_steps(ep.turns, acted.steps)
+    ep.messages += [reply, *acted.messages]
+    ep.finished = acted.ended
 
 
 async def _lockstep(policy: Any, task: TaskSpec, env: Environment, prompt: _Prompt,
                     cfg: GroupConfig, adapter: AdapterRef | None, seed: int, group_key: str
                     ) -> list[ScoredRollout]:
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + cfg.rollout_timeout_s
     eps = [_Episode(i, f"{group_key}/{i}", list(prompt.messages))
            for i in range(cfg.group_size)]
-    for ep in eps:
-        env.reset(ep.session, task.verifier)
+    opened = await env.aopen([e.session for e in eps], task.verifier)
+    for ep, err in zip(eps, opened, strict=True):
+        ep.result = err
+    # The deadline starts once the sessions are open: waiting for a toolset's session
+    # slots is the infrastructure's time, not the model's.
+    deadline = loop.time() + cfg.rollout_timeout_s
     try:
         for step in range(cfg.max_steps):
             live = [e for e in eps if e.result is None and not e.finished]
@@ -255,11 +310,11 @@ async def _lockstep(policy: Any, task: TaskSpec, env: Environment, prompt: _Prom
             await asyncio.gather(*acting)
         for e in eps:
             if e.result is None:
-                e.result = await _verify(env, task, env.session_output(e.session),
-                                         max(deadline - loop.time(), 1.0))
+                e.result = await _output(env, task, e.session, deadline - loop.time())
     finally:
         for e in eps:
-            env.close(e.session)
+            if opened[e.index] is None:
+                await env.aclose(e.session)
     return [_scored(e.index, e.result, e.turns, e.started)  # type: ignore[arg-type]
             for e in eps]
 
