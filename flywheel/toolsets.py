@@ -62,9 +62,12 @@ class _Common(_Frozen):
     toolset at a staging copy, never at production systems."""
     deny: list[str] = Field(default_factory=list)
     """Tools treated as destructive whatever their annotations say."""
-    unannotated_destructive: bool = False
-    """Treat MCP tools with no `destructiveHint`/`readOnlyHint` as destructive (MCP's own
-    default reading of an unannotated tool). Off: only tools marked destructive are."""
+    unannotated_destructive: bool = True
+    """Treat MCP tools with no `destructiveHint`/`readOnlyHint` as destructive: MCP's own
+    default reading of an unannotated tool, so a server that says nothing about a tool's side
+    effects never has it run live by default. Off: only tools marked destructive are (for a
+    server you know under-annotates harmless tools; `flywheel tools show` lists which tools
+    are refused)."""
     dry_run: bool = False
     """Never contact the backend during an episode: calls are answered from replay or the
     recorded `stubs` (a generic "not executed" answer otherwise)."""

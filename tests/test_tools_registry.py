@@ -66,7 +66,7 @@ def test_add_show_check_and_remove_from_the_cli(cli_env: str, tmp_path: Path) ->
         assert added.exit_code == 0, added.output
         out = json.loads(added.stdout)
         assert (out["version"], out["kind"], out["new_version"]) == (1, "mcp_http", True)
-        assert out["destructive"] == ["wipe_notes"] and out["allowed_live"] == []
+        assert out["destructive"] == ["clear_counter", "wipe_notes"] and out["allowed_live"] == []
         assert out["state"] is True and out["protocol_version"] == "2026-07-28"
 
         again = runner.invoke(app, ["tools", "check", "notes", "--json"])

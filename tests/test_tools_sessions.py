@@ -207,6 +207,35 @@ async def test_a_destructive_tool_never_runs_without_the_allowance(
     assert len(reached) == len(before) + 1 if kind != "python" else len(reached) == 1
 
 
+@pytest.mark.parametrize("kind", ["stdio", "http"])
+async def test_an_unannotated_mcp_tool_is_destructive_unless_the_toolset_says_otherwise(
+        kinds: dict[str, Registration], kind: str, log: Path) -> None:
+    """MCP's own reading: a tool whose server says nothing of its side effects may be
+    destructive, so by default it never reaches the server; `unannotated_destructive=False`
+    runs it."""
+    reg = kinds[kind]
+    assert reg.tool("clear_counter") is not None and not reg.tool("clear_counter").annotated
+    before = [c for c in received(log) if c["tool"] == "clear_counter"]
+    for lenient in (False, True):
+        runtime = ToolsetRuntime(reg if not lenient else reg.model_copy(update={
+            "config": reg.config.model_copy(update={"unannotated_destructive": False})}))
+        (s,) = await _open(runtime, 1, [{"counter": 5}])
+        try:
+            out = await s.call("clear_counter", {})
+            snap = await s.snapshot()
+        finally:
+            await runtime.close_session(s)
+            await runtime.aclose()
+        reached = [c for c in received(log) if c["tool"] == "clear_counter"]
+        if lenient:
+            assert out.observation == "counter is 0" and not out.step.unsafe
+            assert snap is not None and snap["counter"] == 0
+            assert len(reached) == len(before) + 1
+        else:
+            assert out.step.source == "refused" and out.step.unsafe
+            assert snap is not None and snap["counter"] == 5 and reached == before
+
+
 async def test_a_killed_server_leaves_its_episodes_not_run_and_the_next_one_starts(
         log: Path, kinds: dict[str, Registration]) -> None:
     """Shared stdio server killed with episodes in flight: each of their next calls is

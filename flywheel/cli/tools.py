@@ -109,7 +109,10 @@ def tools_add(
         help="A destructive tool this toolset may run live ('*': all). Staging only.")] = None,
     deny: Annotated[ListOpt, typer.Option(help="A tool to treat as destructive.")] = None,
     unannotated_destructive: Annotated[bool, typer.Option(
-        help="Treat MCP tools without side-effect annotations as destructive.")] = False,
+        "--unannotated-destructive/--unannotated-safe",
+        help="MCP tools without side-effect annotations: destructive (MCP's reading, the "
+             "default) or safe (only for a server whose unannotated tools are harmless).")
+    ] = True,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Never call the backend in episodes: replay or stubs only.")] = False,
     stub: Annotated[ListOpt, typer.Option(help="Dry-run answer TOOL=TEXT.")] = None,
@@ -131,7 +134,8 @@ def tools_add(
     elif python:
         backend = {"kind": "python", "target": python}
     common = {"on_divergence": on_divergence, "allow_destructive": allow_destructive,
-              "deny": deny, "unannotated_destructive": unannotated_destructive or None,
+              "deny": deny,
+              "unannotated_destructive": None if unannotated_destructive else False,
               "dry_run": dry_run or None, "stubs": _pairs(stub, "--stub") or None,
               "max_sessions": max_sessions, "call_timeout_s": call_timeout}
     common = {k: v for k, v in common.items() if v is not None}

@@ -2,8 +2,8 @@
 
 A tool is destructive when its backend marks it (MCP `destructiveHint: true`, `x-unsafe:
 true` in a declared schema, a Python method marked `@destructive`), when the toolset's
-`deny` list names it, or — with `unannotated_destructive` — when an MCP server says nothing
-about its side effects (MCP's own default reading). `readOnlyHint: true` alone never makes a
+`deny` list names it, or — `unannotated_destructive`, on by default — when an MCP server says
+nothing about its side effects (MCP's own default reading: such a tool may be destructive). `readOnlyHint: true` alone never makes a
 tool destructive. A destructive tool runs live only when the toolset's `allow_destructive`
 names it (or is `["*"]`); any other call to it is refused before it reaches the backend and
 is an unsafe action (reward 0). MCP annotations are hints from the server: the deny list is
@@ -21,7 +21,9 @@ def is_destructive(tool: ToolDescriptor, config: ToolsetConfig) -> bool:
         return True
     if tool.annotations.get("readOnlyHint") is True:
         return False
-    return config.unannotated_destructive and not tool.annotated
+    # Only an MCP server's silence means "may be destructive"; a Python class marks its
+    # destructive methods itself (`@destructive`), so an unmarked method is not.
+    return config.kind != "python" and config.unannotated_destructive and not tool.annotated
 
 
 def allowed_live(name: str, config: ToolsetConfig) -> bool:

@@ -78,6 +78,14 @@ def wipe_notes(ctx: Context) -> str:
     return f"deleted {count} notes"
 
 
+@app.tool()
+def clear_counter(ctx: Context) -> str:
+    """Set the counter to zero (the server says nothing about its side effects)."""
+    world = _record("clear_counter", {}, ctx)
+    world["counter"] = 0
+    return "counter is 0"
+
+
 @app.tool(annotations=ToolAnnotations(read_only_hint=True))
 async def sleep(seconds: float, ctx: Context) -> str:
     """Wait, then answer (a tool that hangs)."""
