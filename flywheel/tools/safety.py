@@ -2,12 +2,13 @@
 
 A tool is destructive when its backend marks it (MCP `destructiveHint: true`, `x-unsafe:
 true` in a declared schema, a Python method marked `@destructive`), when the toolset's
-`deny` list names it, or — `unannotated_destructive`, on by default — when an MCP server says
-nothing about its side effects (MCP's own default reading: such a tool may be destructive). `readOnlyHint: true` alone never makes a
-tool destructive. A destructive tool runs live only when the toolset's `allow_destructive`
-names it (or is `["*"]`); any other call to it is refused before it reaches the backend and
-is an unsafe action (reward 0). MCP annotations are hints from the server: the deny list is
-how a user overrides a server that under-declares.
+`deny` list names it, or — `unannotated_destructive`, on by default — when an MCP server
+says nothing about its side effects (MCP's own default reading: such a tool may be
+destructive). `readOnlyHint: true` alone never makes a tool destructive. A destructive tool
+runs live only when the toolset's `allow_destructive` names it (or is `["*"]`); any other
+call to it is refused before it reaches the backend and is an unsafe action (reward 0). MCP
+annotations are hints from the server: the deny list is how a user overrides a server that
+under-declares.
 """
 
 from __future__ import annotations
