@@ -5,6 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
+TEST_WORKERS ?= 2
 
 .PHONY: install lock browser demo test vllm test-vllm lint bench clean
 
@@ -44,8 +45,11 @@ demo: install
 test: install browser
 	$(PY) -m ruff check flywheel consumers producers migrations tests
 	$(PY) -m mypy
-	# The `vllm` tests need a vLLM server: `make test-vllm` runs them.
-	$(PY) -m pytest -q -rs -m "not vllm"
+	# The `vllm` tests need a vLLM server: `make test-vllm` runs them. TEST_WORKERS processes
+	# (pytest-xdist), each with its own broker, Postgres and model; a file stays on one worker
+	# (tests/conftest.py orders the files longest first). The slowest tests are listed last.
+	$(PY) -m pytest -q -rs -m "not vllm" -n $(TEST_WORKERS) --dist loadfile \
+	  --no-loadscope-reorder --durations=15
 
 # vLLM's CPU build in its own venv (its torch and transformers pins differ from ours).
 vllm:

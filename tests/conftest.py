@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import sys
 import tempfile
 import uuid
+import zlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +33,49 @@ if TYPE_CHECKING:
     from tests.support.vllm_server import RealVLLM
 
 TEMPLATE_DB = "flywheel_template"
+
+# -- running in parallel (`make test`: pytest-xdist, `-n 2 --dist loadfile`) ----------------------
+#
+# Each worker is a process of its own with its own broker, Postgres and model (the session
+# fixtures below), so workers share nothing but the machine; a file's tests stay on one worker
+# (module fixtures such as a whole `flywheel up` stack are started once). One OpenMP thread a
+# worker: two workers each spinning two threads on 2 cores run several times slower than one
+# thread each (docs/BENCHMARKS.md, "cores follow the work"). Set before torch is imported.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+HEAVY_FIRST = (
+    "test_trainer.py", "test_trainer_sft_warm_start.py", "test_policy_shared.py",
+    "test_runtime_acked.py", "test_runtime_drain.py", "test_runtime_heal.py",
+    "test_otel_e2e.py", "test_bench_trainer.py", "test_rollout_local.py",
+    "test_api_served_equals_gated.py", "test_gate_concurrent.py", "test_rollout_workers.py",
+    "test_trainer_prefix.py", "test_policy_local.py", "test_runtime_stack.py",
+    "test_producers_confirm.py", "test_gate_e2e.py", "test_tools_sessions.py",
+    "test_environments_toolset.py", "test_trainer_warm_start.py",
+)
+"""Files in order of their measured time (`pytest --durations`, 2 cores), longest first: the
+workers take files in collection order, so the longest start first and the short ones fill
+in at the end instead of one long file running alone at the tail. Order only: a file missing
+here runs after these, in its usual order."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: same order within
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request: pytest.FixtureRequest) -> None:
+    """Every test starts the global random generators (Python's, numpy's, torch's when it is
+    loaded) from its own id: a draw a test forgot to seed is the same on every run, so no test
+    passes or fails by chance — and runs the same alone, in the full suite or on any worker."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    random.seed(seed)
+    if (np := sys.modules.get("numpy")) is not None:
+        np.random.seed(seed)
+    if (torch := sys.modules.get("torch")) is not None:
+        torch.manual_seed(seed)
 
 
 @pytest.fixture(scope="session")
