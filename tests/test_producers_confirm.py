@@ -107,6 +107,7 @@ async def test_close_keeps_what_was_not_stored_in_the_spool(tmp_path: Path,
         for _ in range(50):
             await client.log(trajectory())
         await asyncio.sleep(0.5)
+        await client.close(timeout=1)  # no one stores them: they go back to the spool
     async with FlywheelClient(broker.bootstrap, topic, **kw) as again:
         assert again.stats["pending"] == 50  # the next client re-sends them
         await again.close(timeout=1)
