@@ -40,10 +40,11 @@ class KafkaSettings(BaseModel):
     """Port of the bundled broker when `bootstrap` is unset."""
     confirm_stored: bool | None = None
     """Whether the SDK, `flywheel publish` and the feedback client count a record delivered
-    only once Flywheel has stored it (held, and sent again if the broker is replaced, until
-    then). None = follow the broker: on for the bundled memory-only broker (its
-    acknowledgement dies with its process), off for an external Kafka cluster (`bootstrap`),
-    whose acks=all acknowledgement is durable."""
+    only once Flywheel has stored it (held, and sent again if the broker instance that
+    acknowledged it is replaced, until then). None = follow the broker they reach: on for a
+    local stack's bundled broker, which says so by its cluster id (memory-only: its
+    acknowledgement dies with its process), off for any other (a Kafka cluster's acks=all
+    acknowledgement is durable)."""
     retention_ms: int | None = Field(default=7 * 24 * 3600 * 1000, gt=0)
     """`retention.ms` of topics that Flywheel creates (existing topics are left alone): how
     long the broker keeps a record, consumed or not. A real Kafka enforces it (keep it well

@@ -2,7 +2,8 @@
 
 Validates each record as `flywheel.feedback.Feedback` (key = the trajectory or request id it
 names) and sends it through a `FlywheelClient` on the feedback topic, so feedback gets the
-same batching, retries and disk spool as trajectories.
+same batching, retries and disk spool as trajectories, and the same rule for when a record
+is delivered: on a bundled broker once the miner's feedback group stored it.
 
     async with FeedbackClient.from_settings(settings) as feedback:
         await feedback.log({"request_id": "chatcmpl-123", "rating": "down",
@@ -16,11 +17,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from flywheel.config import Settings
+from flywheel.config import MinerSettings, Settings
 from flywheel.feedback import Feedback
 from flywheel.ingest.feedback_wire import check_feedback, validate_feedback
 from flywheel.runtime.endpoints import resolve_bootstrap
-from producers.confirm import confirm_stored
 from producers.sdk import FlywheelClient, checked_json
 
 
@@ -40,12 +40,15 @@ def serialize_feedback(feedback: Feedback | dict[str, Any]) -> tuple[Feedback, b
 
 class FeedbackClient:
     def __init__(self, bootstrap: str, topic: str, *, spool_dir: Path, **kw: Any) -> None:
+        """`kw`: as `FlywheelClient`'s; `confirm_group` defaults to the group that stores
+        feedback (the miner's feedback group)."""
+        kw.setdefault("confirm_group", MinerSettings().feedback_group_id)
         self._client = FlywheelClient(bootstrap, topic, spool_dir=spool_dir, **kw)
 
     @classmethod
     def from_settings(cls, settings: Settings, **kw: Any) -> FeedbackClient:
-        if confirm_stored(settings):  # delivered = stored by the miner's feedback group
-            kw.setdefault("confirm_group", settings.miner.feedback_group_id)
+        kw.setdefault("confirm", settings.kafka.confirm_stored)
+        kw.setdefault("confirm_group", settings.miner.feedback_group_id)
         return cls(resolve_bootstrap(settings), settings.topics.feedback,
                    spool_dir=settings.home / "spool", **kw)
 

@@ -15,7 +15,9 @@ from flywheel.ingest.wire import load_json
 async def publish_lines(settings: Settings, lines: TextIO, *, raw: bool = False,
                         strict: bool = False, progress: bool = True, agent: str | None = None,
                         feedback: bool = False, flush_timeout: float = 120) -> dict[str, Any]:
-    """Publish every line; returns {published, invalid, errors: [{line, error}], spooled}.
+    """Publish every line; returns {published, invalid, errors: [{line, error}], spooled}:
+    `spooled` counts the records not delivered when it ends (on a bundled broker: not
+    stored yet, acknowledged or not), kept in the spool for the next client on it.
 
     `agent` names the agent of trajectories that name none (`flywheel publish --agent`)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -59,8 +61,9 @@ async def publish_lines(settings: Settings, lines: TextIO, *, raw: bool = False,
             await client.flush(timeout=flush_timeout)
         except TimeoutError:
             pass  # what is not delivered stays in the spool; reported below
-        stats = client.stats
     finally:
-        await client.close()
+        await client.close(timeout=min(30.0, flush_timeout))
+    # After close: whatever was not delivered (spooled, buffered, or acknowledged and not
+    # stored) is in the spool.
     return {"published": published, "invalid": len(errors), "errors": errors,
-            "spooled": int(stats.get("spooled", 0)) if stats.get("state") == "spooling" else 0}
+            "spooled": int(client.stats["pending"])}

@@ -9,10 +9,11 @@ memory again. The next client that opens the same
 spool (another process, after a crash) replays what is left. A record leaves the spool only
 once the broker has acked it: delivery is at least once, ingest dedupes on trajectory_id.
 
-With `confirm_group` (`kafka.confirm_stored`, on by default for the bundled memory-only
-broker) a record counts as delivered only once that group has stored it
-(`producers.confirm`): `flush` waits for that, what the broker acknowledged is held until
-then, sent again if the broker is replaced, and put back in the spool by `close`.
+On a local stack's bundled broker (memory-only; it says so by its cluster id) a record
+counts as delivered only once `confirm_group` has stored it (`producers.confirm`), however
+the client was built: `flush` waits for that, what the broker acknowledged is held until
+then, sent again if the instance that acknowledged it is replaced, and put back in the spool
+by `close`. `confirm` (`kafka.confirm_stored`) forces it on or off for any broker.
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ from aiokafka import errors as kafka_errors
 from pydantic import BaseModel
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_fixed
 
-from flywheel.config import Settings
+from flywheel.config import IngestSettings, Settings
 from flywheel.errors import is_transient
 from flywheel.formats import ParseContext
 from flywheel.ingest.wire import check_trajectory, validate_record
 from flywheel.runtime.endpoints import resolve_bootstrap
 from flywheel.trajectory import Trajectory
-from producers.confirm import StoreConfirmer, confirm_stored
+from producers.confirm import StoreConfirmer
 from producers.spool import Record, Spool, encode
 
 log = logging.getLogger(__name__)
@@ -107,10 +108,12 @@ class FlywheelClient:
     def __init__(self, bootstrap: str, topic: str, *, spool_dir: Path, agent: str | None = None,
                  max_buffered: int = 10_000, linger_ms: int = 20, max_batch: int = 500,
                  retry_interval_s: float = 1.0, request_timeout_ms: int = 5000,
-                 confirm_group: str | None = None, confirm_interval_s: float = 0.1) -> None:
+                 confirm: bool | None = None, confirm_group: str = IngestSettings().group_id,
+                 confirm_interval_s: float = 0.1) -> None:
         """`agent`: names the agent of records that name none (else `unknown`).
-        `confirm_group`: the consumer group that stores the topic; a record is delivered
-        once it committed past it (None: once the broker acknowledged it)."""
+        `confirm`: whether a record is delivered only once `confirm_group` (the consumer
+        group that stores the topic) committed past it, rather than once the broker
+        acknowledged it; None follows the broker: on for a bundled one, off for any other."""
         self._bootstrap, self._topic, self._spool_dir = bootstrap, topic, spool_dir
         self._agent = agent
         self._max_buffered, self._max_batch = max_buffered, max_batch
@@ -129,16 +132,16 @@ class FlywheelClient:
         self._data = asyncio.Event()
         self._space = asyncio.Event()
         self._progress = asyncio.Event()
-        self._confirm = StoreConfirmer(bootstrap, topic, confirm_group,
-                                       request_timeout_ms=request_timeout_ms
-                                       ) if confirm_group else None
+        self._confirm = None if confirm is False else StoreConfirmer(
+            bootstrap, topic, confirm_group, require=confirm,
+            request_timeout_ms=request_timeout_ms)
         self._confirm_interval = confirm_interval_s
         self._confirm_task: asyncio.Task[None] | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings, **kw: Any) -> FlywheelClient:
-        if confirm_stored(settings):
-            kw.setdefault("confirm_group", settings.ingest.group_id)
+        kw.setdefault("confirm", settings.kafka.confirm_stored)
+        kw.setdefault("confirm_group", settings.ingest.group_id)
         return cls(resolve_bootstrap(settings), settings.topics.trajectories,
                    spool_dir=settings.home / "spool", **kw)
 
@@ -152,6 +155,7 @@ class FlywheelClient:
         return {"sent": self._acked - self._rejected, "rejected": self._rejected,
                 "spooled": spool.count if spool else 0, "pending": self._logged - self._acked,
                 "unconfirmed": self._confirm.count if self._confirm else 0,
+                "confirming": self._confirm.confirming if self._confirm else False,
                 "resent": self._confirm.resent if self._confirm else 0,
                 "spool_bytes": spool.size if spool else 0, "state": self._state}
 
@@ -332,7 +336,7 @@ class FlywheelClient:
         return self._inflight
 
     async def _deliver(self, batch: list[Record]) -> None:
-        done, error = self._settle(batch, await self._send(batch))
+        done, error = self._settle(batch, *await self._send(batch))
         self._inflight = batch[done:]
         if error is None:
             return
@@ -354,8 +358,10 @@ class FlywheelClient:
         self._spool.append(records, sync=True)
         self._space.set()
 
-    async def _send(self, records: list[Record]) -> list[Any]:
-        """Queue every record on the producer, then await all acks: one round trip a batch."""
+    async def _send(self, records: list[Record]) -> tuple[list[Any], str | None]:
+        """Queue every record on the producer, then await all acks: one round trip a batch.
+        Also returns the broker instance known before the send (`producers.confirm`)."""
+        instance = await self._confirm.before_send() if self._confirm is not None else None
         futures, failure = [], None
         for key, value in records:
             try:
@@ -364,13 +370,14 @@ class FlywheelClient:
                 failure = exc
                 break
         results = await asyncio.gather(*futures, return_exceptions=True)
-        return [*results, failure] if failure is not None else results
+        return ([*results, failure] if failure is not None else results), instance
 
-    def _settle(self, records: list[Record],
-                outcome: list[Any]) -> tuple[int, BaseException | None]:
+    def _settle(self, records: list[Record], outcome: list[Any],
+                instance: str | None = None) -> tuple[int, BaseException | None]:
         """How many leading records are done (acked or refused for good), and what stopped
         the rest; counts them delivered (or, with a confirmer, holds the acked ones until
-        stored). Later records that did get through are re-sent: duplicates, never gaps."""
+        stored, judged against `instance`: the broker known before the send). Later records
+        that did get through are re-sent: duplicates, never gaps."""
         acked: list[tuple[int, int, Record]] = []
         done, error = len(outcome), None
         for i, (record, result) in enumerate(zip(records, outcome, strict=False)):
@@ -391,8 +398,8 @@ class FlywheelClient:
             log.error("Kafka refused trajectory %r for good (%r); kept in %s",
                       record[0], exc, rejected)
             self._acknowledge(1)
-        if self._confirm is not None:
-            self._confirm.add(acked)
+        if self._confirm is not None and self._confirm.holds(instance):
+            self._confirm.add(acked, instance)
         else:
             self._acknowledge(len(acked))
         return done, error
@@ -423,7 +430,7 @@ class FlywheelClient:
         try:
             while entries := spool.read(self._max_batch):
                 records = [record for record, _ in entries]
-                done, error = self._settle(records, await self._send(records))
+                done, error = self._settle(records, *await self._send(records))
                 if done:
                     spool.ack(entries[done - 1][1], done)
                 if error is not None:
@@ -510,6 +517,8 @@ class FlywheelClient:
         except BaseException:
             await _stop_quietly(producer, self._request_timeout_ms / 1000)
             raise
+        if self._confirm is not None:
+            self._confirm.forget()  # maybe another instance: read it before the first send
         return producer
 
     async def _drop_producer(self) -> None:

@@ -1,5 +1,6 @@
 """Acknowledged means stored (`producers.confirm`): against the real broker, with a storing
-group played by a consumer that commits what it read (as ingest does after its transaction)."""
+group played by a consumer that commits what it read (as ingest does after its transaction).
+Clients are built as the README shows (no confirmation setting): the broker decides."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from aiokafka import AIOKafkaConsumer
 from flywheel.config import KafkaSettings, Settings
 from flywheel.runtime.kafka import ensure_topics
 from flywheel.stack.broker import LocalBroker, free_port
-from producers.confirm import confirm_stored
+from producers.feedback_client import FeedbackClient
 from producers.sdk import FlywheelClient
 from tests.test_producers_sdk import consume, trajectory
 
@@ -40,19 +41,34 @@ async def store_and_commit(bootstrap: str, topic: str, group: str, want: int) ->
     return keys
 
 
-def test_the_default_follows_the_broker() -> None:
-    assert confirm_stored(Settings())  # the bundled memory-only broker
-    assert not confirm_stored(Settings(kafka=KafkaSettings(bootstrap="kafka:9092")))
-    assert confirm_stored(Settings(kafka=KafkaSettings(bootstrap="k:9092", confirm_stored=True)))
+async def test_the_default_follows_the_broker(tmp_path: Path, broker: LocalBroker) -> None:
+    """Any broker but a bundled one: acknowledged is delivered, unless the setting says
+    otherwise (`kafka.confirm_stored`, whichever way)."""
+    topic = f"t{uuid.uuid4().hex[:8]}.trajectories"
+    await ensure_topics(broker.bootstrap, [topic], partitions=1)
+    async with FlywheelClient(broker.bootstrap, topic, spool_dir=tmp_path / "a") as client:
+        await client.log(trajectory())
+        await client.flush(timeout=10)
+        assert not client.stats["confirming"]
+    settings = Settings(home=tmp_path, kafka=KafkaSettings(
+        bootstrap=broker.bootstrap, topic_prefix=topic.split(".")[0], confirm_stored=True))
+    await ensure_topics(broker.bootstrap, [settings.topics.feedback], partitions=1)
+    for forced in (FlywheelClient.from_settings(settings), FeedbackClient.from_settings(settings)):
+        await forced.start()
+        await forced.log_raw(b"{}", key=b"k")
+        with pytest.raises(TimeoutError):  # no one stores it
+            await forced.flush(timeout=1)
+        assert forced.stats["unconfirmed"] == 1
+        await forced.close(timeout=0.2)
 
 
 async def test_flush_waits_until_stored_and_a_replaced_broker_gets_them_again(
         tmp_path: Path) -> None:
-    broker = LocalBroker(free_port(), tmp_path / "b.log")
-    topic, group = f"t{uuid.uuid4().hex[:8]}.trajectories", "storing"
+    broker = LocalBroker(free_port(), tmp_path / "b.log", bundled=True)
+    topic, group = f"t{uuid.uuid4().hex[:8]}.trajectories", Settings().ingest.group_id
     broker.start()
     client = FlywheelClient(broker.bootstrap, topic, spool_dir=tmp_path / "spool",
-                            confirm_group=group, retry_interval_s=0.2, request_timeout_ms=1000)
+                            retry_interval_s=0.2, request_timeout_ms=1000)
     try:
         await ensure_topics(broker.bootstrap, [topic], partitions=3)
         await client.start()
@@ -85,11 +101,13 @@ async def test_close_keeps_what_was_not_stored_in_the_spool(tmp_path: Path,
                                                             broker: LocalBroker) -> None:
     topic = f"t{uuid.uuid4().hex[:8]}.trajectories"
     await ensure_topics(broker.bootstrap, [topic], partitions=3)
-    kw: dict[str, Any] = {"spool_dir": tmp_path / "spool", "confirm_group": "nobody"}
+    kw: dict[str, Any] = {"spool_dir": tmp_path / "spool", "confirm": True,
+                          "confirm_group": "nobody"}
     async with FlywheelClient(broker.bootstrap, topic, **kw) as client:
         for _ in range(50):
             await client.log(trajectory())
         await asyncio.sleep(0.5)
+        await client.close(timeout=1)  # no one stores them: they go back to the spool
     async with FlywheelClient(broker.bootstrap, topic, **kw) as again:
         assert again.stats["pending"] == 50  # the next client re-sends them
         await again.close(timeout=1)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from flywheel.config import KafkaSettings, Settings
+from flywheel.runtime.kafka import ensure_topics
 from flywheel.stack.broker import LocalBroker, free_port
 from producers.replay import publish_lines
 from producers.sdk import FlywheelClient
@@ -83,3 +84,21 @@ def test_the_cli_reads_a_file_that_is_not_utf8_line_by_line(
     report = json.loads(result.stdout)
     assert (report["published"], report["invalid"]) == (2, 1), result.output
     assert report["errors"][0]["line"] == 2 and "not valid JSON" in report["errors"][0]["error"]
+
+
+@pytest.mark.kafka
+async def test_publish_to_a_bundled_broker_reports_what_is_not_stored(tmp_path: Path) -> None:
+    """Acknowledged by a stack's bundled broker and stored by no one (ingest is not running):
+    not delivered, and said so, whichever way the broker was named (here FLYWHEEL_KAFKA__
+    BOOTSTRAP, which once turned confirmation off)."""
+    broker = LocalBroker(free_port(), tmp_path / "b.log", bundled=True)
+    broker.start()
+    try:
+        settings = Settings(home=tmp_path, kafka=KafkaSettings(
+            bootstrap=broker.bootstrap, topic_prefix=f"t{uuid.uuid4().hex[:8]}"))
+        await ensure_topics(broker.bootstrap, [settings.topics.trajectories], partitions=1)
+        report = await publish_lines(settings, io.StringIO("\n".join([good(), good()])),
+                                     progress=False, flush_timeout=1)
+    finally:
+        broker.stop()
+    assert report["published"] == 2 and report["spooled"] == 2

@@ -1,12 +1,14 @@
 """Acknowledged means stored, on a real stack (`flywheel up --detach` as a user runs it):
-`flywheel down` while the SDK publishes, the bundled broker SIGKILLed mid-publish, and a
-raw Kafka producer (no spool, no re-send) whose loss must be counted exactly.
+`flywheel down` while the SDK publishes, the bundled broker SIGKILLed mid-publish, stopped
+gracefully then `down` + `up` (issue 38's probe), and a raw Kafka producer (no spool, no
+re-send) whose loss must be counted exactly.
 
 One stack for the module; the scenarios run in order on it."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -108,6 +110,94 @@ async def test_broker_killed_mid_publish_loses_nothing_the_sdk_was_told(stack: S
     assert len(got) == N
 
 
+async def test_a_gracefully_stopped_broker_confirms_nothing_it_lost(stack: Stack) -> None:
+    """Issue 38's probe, shortened to what it exercises: the SDK built as the README shows
+    (no confirmation setting: the broker says it is the bundled one) publishes; ingest is
+    paused, so that the broker alone holds the last chunk it acknowledged; the broker is
+    stopped gracefully (SIGINT) and the supervisor replaces it; then `down` and `up --detach`
+    while the SDK stays open and publishes the rest. At no moment does the SDK report
+    delivered more than Postgres holds, and once `flush` returns every record is stored."""
+    run = stack.run()
+    batch = records(500)[:500]
+    ids = [uuid.UUID(r["trajectory_id"]) for r in batch]
+    conn: list[asyncpg.Connection] = []
+    over: list[tuple[int, int]] = []  # (told delivered, stored) whenever the first exceeds
+
+    async def watch(client: FlywheelClient) -> None:
+        while True:
+            sent = client.stats["sent"]
+            try:
+                if not conn:
+                    conn.append(await asyncpg.connect(stack.dsn()))
+                stored = await conn[0].fetchval("SELECT count(*) FROM trajectories WHERE "
+                                                "trajectory_id = ANY($1)", ids)
+                if sent > stored:
+                    over.append((sent, stored))
+            except (OSError, asyncpg.PostgresError, FileNotFoundError, KeyError):
+                if conn:  # Postgres stopped with `down`: connect again after `up`
+                    conn.pop().terminate()
+            await asyncio.sleep(0.2)
+
+    client = FlywheelClient(run["kafka_bootstrap"], run["topics"]["trajectories"],
+                            spool_dir=stack.home / "probe-spool", retry_interval_s=0.5,
+                            request_timeout_ms=3000)
+    async with client:
+        watching = asyncio.ensure_future(watch(client))
+        try:
+            await publish(client, batch[:200])
+            await client.flush(timeout=60)
+            ingest = stack.run()["pids"]["ingest"]
+            os.kill(ingest, signal.SIGSTOP)
+            try:
+                await publish(client, batch[200:300])
+                for _ in range(100):  # acknowledged by the broker, not stored
+                    if client.stats["unconfirmed"] == 100 or client.stats["pending"] == 0:
+                        break
+                    await asyncio.sleep(0.1)
+                # a lag read sees them, so the lost instance's loss names them
+                await asyncio.sleep(2 * float(stack.env["FLYWHEEL_STACK__WATCH_INTERVAL_S"]) + 1)
+                os.kill(stack.run()["broker_pid"], signal.SIGINT)
+                stopped_at = time.monotonic()
+                rest = asyncio.ensure_future(publish(client, batch[300:], per_s=100))
+                await asyncio.sleep(1.0)
+                while await readyz(stack) != 200:
+                    assert time.monotonic() - stopped_at < 90, "the broker was not replaced"
+                    await asyncio.sleep(0.3)
+            finally:  # the supervisor stopped it with the broker (SIGKILL: it was paused)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(ingest, signal.SIGCONT)
+            loss = await wait_loss(stack, lambda entry: entry["lost_at"] > time.time() - 120
+                                   and entry["id"] not in seen_ids)
+            down = await asyncio.to_thread(stack.cli, "down")
+            assert down.returncode == 0, down.stderr
+            up = await asyncio.to_thread(stack.cli, "up", "--detach")
+            assert up.returncode == 0, up.stderr
+            await rest
+            await client.flush(timeout=180)
+            stats = client.stats
+            now = await asyncpg.connect(stack.dsn())
+            try:  # at once: `flush` returned, so every record is stored
+                stored = await now.fetchval("SELECT count(*) FROM trajectories WHERE "
+                                            "trajectory_id = ANY($1)", ids)
+            finally:
+                await now.close()
+        finally:
+            watching.cancel()
+            for c in conn:
+                await c.close()
+    print(f"graceful broker stop, then down + up: {stored} of {len(batch)} stored when "
+          f"flush returned; SDK {stats}; the lost instance's loss {loss['not_stored']} at "
+          "recovery")
+    assert stored == len(batch)
+    assert not over, f"the SDK reported delivered more than was stored: {over[:5]}"
+    assert stats["resent"] >= 100 and stats["confirming"]
+    assert loss["not_stored"] == 100  # what ingest had not stored was counted as lost...
+    # ... until the SDK sent it again and it was stored
+    await wait_loss(stack, lambda entry: entry["not_stored"] == 0, loss_id=loss["id"])
+    ack = stack.cli("losses", "ack", "--all")  # what `down` + `up` may count is not ours
+    assert ack.returncode == 0, ack.stderr
+
+
 async def test_a_raw_producers_loss_is_counted_exactly(stack: Stack) -> None:
     run = stack.run()
     topic, n = run["topics"]["trajectories"], 1000
@@ -146,12 +236,14 @@ async def test_a_raw_producers_loss_is_counted_exactly(stack: Stack) -> None:
 seen_ids: set[str] = set()
 
 
-async def wait_loss(stack: Stack, ok: Any, timeout: float = 60) -> dict[str, Any]:
-    """The newest open loss once `ok(loss)` holds (it is recounted every few seconds)."""
+async def wait_loss(stack: Stack, ok: Any, timeout: float = 60, loss_id: str | None = None
+                    ) -> dict[str, Any]:
+    """The newest open loss (or the one `loss_id` names) once `ok(loss)` holds (it is
+    recounted every few seconds)."""
     deadline = time.monotonic() + timeout
     entry: dict[str, Any] = {}
     while time.monotonic() < deadline:
-        losses = stack.run()["broker"]["losses"]
+        losses = [e for e in stack.run()["broker"]["losses"] if loss_id in (None, e["id"])]
         entry = losses[-1] if losses else {}
         if entry and ok(entry):
             seen_ids.add(entry["id"])
@@ -173,10 +265,8 @@ async def test_confirmation_costs_little_of_the_publish_rate(stack: Stack) -> No
         for i, confirm in enumerate([False, True] * 3):
             batch = records(400 + i)[:3000]
             ids = [uuid.UUID(r["trajectory_id"]) for r in batch]
-            client = FlywheelClient(
-                run["kafka_bootstrap"], run["topics"]["trajectories"],
-                spool_dir=stack.home / f"bench-{i}",
-                confirm_group=Settings().ingest.group_id if confirm else None)
+            client = FlywheelClient(run["kafka_bootstrap"], run["topics"]["trajectories"],
+                                    spool_dir=stack.home / f"bench-{i}", confirm=confirm)
             async with client:
                 started = time.perf_counter()
                 for record in batch:

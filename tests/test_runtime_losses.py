@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.runtime.losses import Losses, acknowledge, arrived, candidates, unstored_total
+from flywheel.runtime.losses import (
+    Losses,
+    acknowledge,
+    arrived,
+    candidates,
+    count_loss,
+    unstored_total,
+)
 
 
 def test_candidates_name_what_was_read_and_count_the_rest() -> None:
@@ -35,3 +42,15 @@ def test_a_loss_stays_open_until_acknowledged(tmp_path: Path) -> None:
         acknowledge(tmp_path, "nope")
     assert acknowledge(tmp_path, None) == ["l1"]
     assert Losses(tmp_path).open() == []
+
+
+async def test_an_instance_lost_before_any_read_has_an_unknown_loss_not_zero(
+        tmp_path: Path) -> None:
+    # No read of it: nothing to look up (no database is reached), nothing known.
+    loss = await count_loss("postgresql+asyncpg://nobody@127.0.0.1:1/none",
+                            {"started_at": 1.0, "lag": {}, "lag_read_at": None})
+    assert loss["not_stored"] is None and loss["topics"] == {}
+    losses = Losses(tmp_path)
+    losses.add(loss)
+    assert not await losses.recount("postgresql+asyncpg://nobody@127.0.0.1:1/none")
+    assert Losses(tmp_path).open()[0]["not_stored"] is None  # still open, still unknown

@@ -80,7 +80,8 @@ def publish(
     else:
         what = "feedback records" if feedback else "trajectories"
         console.print(f"published {report['published']} {what}, invalid {report['invalid']}"
-                      + (f", spooled {report['spooled']}" if report["spooled"] else ""))
+                      + (f", not delivered yet {report['spooled']} (kept in the spool: the "
+                         "next `flywheel publish` sends them)" if report["spooled"] else ""))
         for problem in report["errors"][:10]:
             console.print(f"  line {problem['line']}: {problem['error']}")
         if report["invalid"] > 10:

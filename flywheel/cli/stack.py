@@ -160,9 +160,12 @@ def print_status(data: dict[str, Any]) -> None:
                                        f"{extra}){error}")
     for loss in (stack.get("broker") or {}).get("losses") or []:
         per_topic = ", ".join(f"{t} {d['not_stored']}" for t, d in loss["topics"].items())
-        table.add_row(f"[red]LOST[/red] {loss['id']}",
-                      f"{loss['not_stored']} acknowledged records not stored ({per_topic}); "
-                      "`flywheel losses ack` once handled")
+        what = (f"{loss['not_stored']} acknowledged records not stored ({per_topic})"
+                if loss.get("not_stored") is not None else
+                "acknowledged records not stored: how many is not known (no read of the "
+                "broker came before it was lost)")
+        table.add_row(f"[red]LOST[/red] {loss['id']}", f"{what}; `flywheel losses ack` once "
+                      "handled")
     for note in stack.get("notes") or []:
         table.add_row("note", note)
     Console().print(table)

@@ -18,8 +18,19 @@ from aiokafka.errors import TopicAlreadyExistsError, UnknownError
 from flywheel.config import Settings
 from flywheel.errors import is_transient
 
+BUNDLED_CLUSTER_PREFIX = "flywheel-bundled-"
+"""How a local stack's bundled broker names its cluster (a fresh id at every start). It keeps
+records in memory only, so its acknowledgement is not storage: a producer that reads this
+from the broker (Metadata's cluster id) waits for Flywheel to store what it sends
+(`producers.confirm`). A Kafka cluster's id is a base64 UUID of 22 characters: never this."""
+
 RESEND_BACKOFF_S = (0.1, 0.3, 1.0, 2.0)
 """Pauses between resends of what a broker failed to store (the last one repeats)."""
+
+
+def is_bundled(cluster_id: str | None) -> bool:
+    """Whether a broker that reports `cluster_id` is a local stack's bundled broker."""
+    return cluster_id is not None and cluster_id.startswith(BUNDLED_CLUSTER_PREFIX)
 
 
 def resendable(exc: BaseException) -> bool:

@@ -10,8 +10,11 @@ count only (no key, or past `KEY_CAP`). Producers that hold what they sent until
 (`producers.confirm`) send those records again to the next broker: as they are stored the
 loss shrinks (`Losses.recount`), so what stays counted is what nobody will send again
 (a raw Kafka producer's records). Feedback is counted by offsets only (its key is the
-trajectory it is about, not its own id). A loss stays in `flywheel status` until an
-operator acknowledges it; `<home>/losses.json` keeps it across restarts.
+trajectory it is about, not its own id). An instance lost before any read of it has a loss
+that is not known (`not_stored` None), never 0; and what an instance acknowledged after its
+last read is not counted (the loss says how long before it was lost that read came). A loss
+stays in `flywheel status` until an operator acknowledges it; `<home>/losses.json` keeps it
+across restarts.
 """
 
 from __future__ import annotations
@@ -113,7 +116,8 @@ async def count_loss(db_url: str, state: dict[str, Any], now: float | None = Non
                      ) -> dict[str, Any]:
     """A lost broker instance's loss from its last read (`state`, see `recovery.record`):
     per topic, acknowledged (not yet committed at the read), not_stored, and the ids still
-    missing (re-checked by `recount` while producers re-send)."""
+    missing (re-checked by `recount` while producers re-send). With no read of the instance
+    (`stored_positions` absent) nothing is known: `not_stored` is None."""
     topics: dict[str, Any] = {}
     for topic, positions in (state.get("stored_positions") or {}).items():
         ids, counted, acknowledged = candidates(positions,
@@ -122,10 +126,11 @@ async def count_loss(db_url: str, state: dict[str, Any], now: float | None = Non
         topics[topic] = {"acknowledged_unstored_at_read": acknowledged, "counted": counted,
                          "missing_ids": missing, "not_stored": counted + len(missing)}
     at = now or time.time()
+    known = state.get("stored_positions") is not None
     return {"id": uuid.uuid4().hex[:12], "lost_at": at,
             "broker_started_at": state.get("started_at"),
             "last_read_at": state.get("lag_read_at"), "topics": topics,
-            "not_stored": sum(t["not_stored"] for t in topics.values())}
+            "not_stored": sum(t["not_stored"] for t in topics.values()) if known else None}
 
 
 class Losses:
@@ -153,8 +158,8 @@ class Losses:
         acked = set(_read(self.home / ACKED_FILE) or [])
         changed = False
         for entry in self.entries:
-            if entry["id"] in acked:
-                continue
+            if entry["id"] in acked or entry.get("not_stored") is None:
+                continue  # acknowledged, or not known: nothing to take off
             for topic in entry["topics"].values():
                 missing = topic["missing_ids"]
                 if not missing:

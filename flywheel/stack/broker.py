@@ -19,6 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
+from flywheel.runtime.kafka import BUNDLED_CLUSTER_PREFIX
 from flywheel.stack.processes import pid_alive, stop_pid
 
 MEMORY_ONLY_NOTE = (
@@ -52,8 +53,13 @@ def free_port() -> int:
 
 
 class LocalBroker:
-    def __init__(self, port: int, log_file: Path) -> None:
+    def __init__(self, port: int, log_file: Path, *, bundled: bool = False) -> None:
+        """`bundled`: the broker of a local stack, which Flywheel's groups store from; its
+        cluster id says so (`flywheel.runtime.kafka.is_bundled`), and producers then count
+        a record delivered once stored, not once acknowledged (a throwaway broker for tests
+        or benchmarks stores nothing of its own)."""
         self.port = port
+        self.bundled = bundled
         self.log_file = log_file
         self.proc: subprocess.Popen[bytes] | None = None
         self.adopted_pid: int | None = None
@@ -62,7 +68,7 @@ class LocalBroker:
         """Wall-clock start of this broker instance (what it holds was produced since)."""
         self.cluster_id: str | None = None
         """A fresh id at every start: a producer holding what the broker acknowledged
-        (`producers.confirm`) tells a replaced broker by it, as it would a new cluster."""
+        (`producers.confirm`) tells a replaced instance by it, as it would a new cluster."""
 
     @property
     def bootstrap(self) -> str:
@@ -91,7 +97,8 @@ class LocalBroker:
         url = f"tcp://127.0.0.1:{self.port}"
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         self.adopted_pid, self.started_at = None, time.time()
-        self.cluster_id = f"flywheel-{uuid.uuid4().hex[:16]}"
+        prefix = BUNDLED_CLUSTER_PREFIX if self.bundled else "flywheel-"
+        self.cluster_id = f"{prefix}{uuid.uuid4().hex[:16]}"
         with open(self.log_file, "ab") as log:  # O_APPEND: rotation by copy-truncate
             self.proc = subprocess.Popen(
                 [str(broker_binary()), "broker", "--listener-url", url,

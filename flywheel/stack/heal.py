@@ -161,14 +161,16 @@ class Healer:
                 self.losses.add(loss)
                 age = loss["lag_read_age_s"]
                 per_topic = ", ".join(f"{t} {d['not_stored']}" for t, d in loss["topics"].items())
+                head = (f"a broker instance was lost: {events} outbox events and {stored} "
+                        "stored trajectories republished to the new one; ")
                 self.notes.append(
-                    f"a broker instance was lost: {events} outbox events and {stored} stored "
-                    f"trajectories republished to the new one; {loss['not_stored']} records it "
-                    "had acknowledged are not stored"
-                    + (f" ({per_topic}; as of its last read, {age:.0f}s before; records SDK "
-                       f"clients send again are taken off; loss {loss['id']}, `flywheel losses "
-                       "ack` once handled)" if age is not None else
-                       " (no read of it came before: what it took is not known)"))
+                    head + f"{loss['not_stored']} records it had acknowledged are not stored "
+                    f"({per_topic}; as of its last read, {age:.0f}s before; records SDK clients"
+                    f" send again are taken off; loss {loss['id']}, `flywheel losses ack` once "
+                    "handled)" if loss["not_stored"] is not None else
+                    head + "what it had acknowledged and Flywheel had not stored is not known: "
+                    "no read of it came before it was lost (SDK clients send theirs again; "
+                    f"loss {loss['id']}, `flywheel losses ack` once handled)")
             log.warning("%s", self.notes[-1])
         self._save_state(recovery.new_state(self.broker.pid, self.broker.started_at))
 

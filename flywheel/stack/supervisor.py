@@ -119,7 +119,7 @@ class Stack:
         assert db.url
         migrate.upgrade(db.url)
         if not kafka.bootstrap:
-            h.broker = LocalBroker(kafka.local_port, self.logs / "broker.log")
+            h.broker = LocalBroker(kafka.local_port, self.logs / "broker.log", bundled=True)
             kafka = kafka.model_copy(update={"bootstrap": h.broker.bootstrap})
         rollout = s.rollout
         if self.vllm is not None and self.vllm.proc is None:
