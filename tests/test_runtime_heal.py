@@ -278,9 +278,17 @@ async def test_broker_killed_loses_at_most_what_ingest_had_not_consumed(stack: S
           f"before the kill, {len(lost)} lost (the last lag read said ingest was "
           f"{loss['not_stored']} behind); {len(got)} of {N} stored "
           f"{time.monotonic() - killed_at:.1f}s after the kill")
+    sdk_ids = {r["trajectory_id"] for r in pub.sdk_part}
+    started_s = run["broker"]["started_at"] - (time.time() - time.monotonic()) - killed_at
+    gw_seen = {i: t - killed_at for t, ids in pub.gateway_acked for i in ids}
+    print(f"lost through the SDK: {len(lost & sdk_ids)} (acknowledged by then: "
+          f"{[n for _, n in pub.sdk_sent[-1:]]}); through the gateway: {len(lost - sdk_ids)}, "
+          f"their 202s {sorted({round(gw_seen[i], 1) for i in lost - sdk_ids})} s after the "
+          f"kill; the new broker started {started_s:.1f} s after it")
     # What was lost had been acknowledged by the dead broker (and not yet consumed); every
     # record acknowledged by the new one (the SDK spooled them, the gateway answered 503
     # until the new broker took them) is stored.
+    assert not lost & sdk_ids  # the SDK confirms by storage on the bundled broker: re-sent
     assert lost <= at_risk
     assert (wanted - at_risk) <= got
     assert stack.component("broker")["restarts"] == before + 1

@@ -172,3 +172,42 @@ async def test_the_relay_retries_an_unknown_server_error_then_parks_the_row(
     assert rows[b"ok"][0] and rows[b"flaky"][0]  # published: one resend was enough
     assert not rows[b"broken"][0] and "UnknownError" in (rows[b"broken"][1] or "")
     assert strikes == {}  # nothing left counted: published rows forget, parked ones leave
+
+
+async def test_the_gateway_sends_a_request_again_when_the_bundled_broker_was_replaced(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The producer retries what a killed instance failed on its replacement by itself, so
+    every send succeeds while what the killed one acknowledged first is gone: the gateway
+    compares the broker instance before the sends and after the last ack, and sends the
+    whole request again to the instance that will hold it (a durable cluster is read once)."""
+    from flywheel.api import publishing
+    from flywheel.config import KafkaSettings, Settings
+
+    def gateway(ids: list[str | None]) -> tuple[publishing.Publisher, FlakyProducer]:
+        pub = publishing.Publisher(Settings(kafka=KafkaSettings(bootstrap="127.0.0.1:9")))
+        producer = FlakyProducer({})
+        pub._producer = producer  # type: ignore[assignment]
+        reads = iter(ids)
+
+        async def instance() -> str | None:
+            return next(reads)
+
+        monkeypatch.setattr(pub, "instance", instance)
+        return pub, producer
+
+    a, b = "flywheel-bundled-a", "flywheel-bundled-b"
+    records = [(b"1", b"x"), (b"2", b"y")]
+    pub, producer = gateway([a, b, b, b])  # replaced during the first sends
+    await pub.publish("t", records)
+    assert producer.sent == [b"x", b"y"] * 2
+    pub, producer = gateway([a, a])
+    await pub.publish("t", records)
+    assert producer.sent == [b"x", b"y"]
+    pub, producer = gateway(["kafkaClusterId22chars0"])  # a Kafka cluster: read once
+    await pub.publish("t", records)
+    await pub.publish("t", records)
+    assert producer.sent == [b"x", b"y"] * 2
+    pub, producer = gateway([a, b, *[f"flywheel-bundled-{i}" for i in range(1000)]])
+    monkeypatch.setattr(publishing, "RESEND_WITHIN_S", 0.0)
+    with pytest.raises(KafkaConnectionError, match="replaced"):
+        await pub.publish("t", records)  # past its deadline: 503, the client sends again
