@@ -23,6 +23,7 @@ from flywheel.tools.runtime import Catalog
 from flywheel.toolsets import PythonClass
 from tests.support.scripted import Lockstep, Scripted, tool_call
 from tests.support.toolsets import registered
+from tests.test_mining_episodes import WHOLE_PATH, WRONG_FIRST_TURN, _mine, _record
 
 WORKPLACE = "flywheel.environments.workplace_tools:WorkplaceTools"
 EMPTY = {"calendar": {"events": []}, "email": {"inbox": [], "outbox": []},
@@ -174,3 +175,30 @@ def test_the_episode_verifier_by_hand() -> None:
     ordered = state_spec.model_copy(update={"state_unordered": False})
     assert verify_episode(ordered, {"calls": [call()], "state": a, "reference_state": b,
                                     "answers": ["ok"]}).reward < 1.0
+
+
+@pytest.mark.parametrize("engine", [Scripted, Lockstep])
+async def test_a_mined_episode_is_won_by_the_right_path_and_lost_by_the_logged_one(
+        fmt: ChatFormat, engine: type[Scripted]) -> None:
+    reg = await registered("workplace", PythonClass(target=WORKPLACE))
+    task = _mine(_record(WRONG_FIRST_TURN, corrected=WHOLE_PATH), [reg])
+    assert isinstance(task, TaskSpec)
+    right = [tool_call("tickets_update", ticket_id="tkt-1", status="closed"), "Closed.",
+             tool_call("email_send", to="ana@example.com", subject="Fixed"), "Told Ana."]
+    logged = [tool_call("tickets_list"),
+              tool_call("tickets_update", ticket_id="tkt-1", status="in_progress"),
+              "Done, it is closed.",
+              tool_call("email_send", to="ana@example.com", subject="Fixed"), "Sent."]
+    catalog = Catalog.of([reg])
+    try:
+        won, lost = [await run_group(engine(_script(*replies), fmt), task,
+                                     ToolsetEnvironment(catalog),
+                                     GroupConfig(group_size=2, rollout_timeout_s=30,
+                                                 max_steps=8),
+                                     adapter=None, seed=0, group_key=key)
+                     for key, replies in (("right", right), ("logged", logged))]
+    finally:
+        await catalog.aclose()
+    assert [r.reward for r in won.rollouts] == [1.0, 1.0]
+    assert all(r.reward is not None and r.reward < 1.0 for r in lost.rollouts)
+    assert lost.rollouts[0].reason == "the end state differs from the reference end state"
