@@ -13,7 +13,7 @@ from sqlalchemy import text
 
 from flywheel.config import Topics
 from flywheel.db.engine import make_engine
-from flywheel.mining.demos import read_candidates
+from flywheel.mining.demos import load_demonstrations, read_candidates
 from flywheel.mining.mine_batch import MineStats, mine_batch
 from flywheel.tasks import EpisodeSpec, TaskSpec
 from flywheel.tools.registry import register
@@ -96,7 +96,11 @@ async def test_a_logged_episode_success_is_read_as_demonstrations_turn_by_turn(
     try:
         async with engine.connect() as conn:
             found = await read_candidates(conn)
+            single_step = await load_demonstrations(conn, envs=["tool_call"])
+            everything = await load_demonstrations(conn)
     finally:
         await engine.dispose()
     demos = [c.demo for c in found if c.demo.env == "toolset"]
     assert [d.reply.get("content") for d in demos] == [None, "Closed.", None, "Told Ana."]
+    # A policy trained on tool_call tasks only gets no episode turns for its warm start.
+    assert {d.env for d in everything} == {"toolset"} and single_step == []

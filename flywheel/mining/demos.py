@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -311,14 +311,17 @@ async def held_out(conn: AsyncConnection, holdout_fraction: float | None = None)
 
 async def load_demonstrations(conn: AsyncConnection, *, limit: int | None = None,
                               holdout_fraction: float | None = None,
-                              reserve_share: float = 0.0) -> list[Demonstration]:
+                              reserve_share: float = 0.0,
+                              envs: Sequence[str] = ()) -> list[Demonstration]:
     """Successes and corrected train tasks as demonstrations, none touching evaluation.
 
     `holdout_fraction` (the miner's setting) also refuses demonstrations whose task would be
     held out if that request ever failed; `reserve_share` leaves that share of fingerprints
-    to GRPO (`reserved_for_grpo`). Deterministic: ordered by (fingerprint, completion).
+    to GRPO (`reserved_for_grpo`); `envs` (the policy's `rollout.envs`; empty: all) keeps
+    the demonstrations of those environments. Deterministic: ordered by (fingerprint,
+    completion).
     """
-    candidates = await read_candidates(conn)
+    candidates = [c for c in await read_candidates(conn) if not envs or c.demo.env in envs]
     # Read the holdout side last: a holdout task committed while the candidates were read is
     # still excluded (a REPEATABLE READ transaction makes the whole read one snapshot).
     held = await held_out(conn, holdout_fraction)
