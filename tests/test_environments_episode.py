@@ -119,15 +119,18 @@ async def test_the_scripted_user_speaks_after_each_answer_and_is_never_sampled(
     policy = engine(_script(CREATE, "Filed.", tool_call("email_send", to="ana@example.com",
                                                         subject="printer"),
                             "I emailed Ana."), fmt)
+    # Two model turns per user turn: the four turns fit only because the scripted user's
+    # turn brings its own budget.
     catalog = Catalog.of([workplace])
     try:
         out = await run_group(policy, task, ToolsetEnvironment(catalog),
-                              GroupConfig(group_size=2, rollout_timeout_s=30, max_steps=8),
+                              GroupConfig(group_size=2, rollout_timeout_s=30, max_steps=2),
                               adapter=None, seed=0, group_key="dialogue")
-        # The same dialogue where the agent never gets to the second request.
+        # The same dialogue where the agent never gets to the second request: one model turn
+        # per user turn (`max_steps` counts per user turn), two of them spent on the first.
         early = await run_group(engine(_script(CREATE, "Filed."), fmt), task,
                                 ToolsetEnvironment(catalog),
-                                GroupConfig(group_size=1, rollout_timeout_s=30, max_steps=2),
+                                GroupConfig(group_size=1, rollout_timeout_s=30, max_steps=1),
                                 adapter=None, seed=0, group_key="early")
     finally:
         await catalog.aclose()

@@ -41,7 +41,7 @@ import asyncio
 import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from flywheel.environments.base import Environment
@@ -49,7 +49,7 @@ from flywheel.environments.prompt import task_messages, task_tools
 from flywheel.events import ScoredRollout, ToolStep, Turn
 from flywheel.policy.base import AdapterRef, Completion, Policy, PolicyError, SamplingParams
 from flywheel.policy.chat_format import ChatFormat
-from flywheel.tasks import AttemptFailure, RolloutNotRun, TaskSpec, VerifierResult
+from flywheel.tasks import AttemptFailure, EpisodeSpec, RolloutNotRun, TaskSpec, VerifierResult
 
 
 @dataclass(frozen=True)
@@ -380,6 +380,9 @@ async def run_group(policy: Policy, task: TaskSpec, env: Environment, cfg: Group
                     adapter: AdapterRef | None, seed: int, group_key: str) -> GroupOutcome:
     started = time.perf_counter()
     prompt = _Prompt(task_messages(task), task_tools(task))
+    if isinstance(task.verifier, EpisodeSpec) and task.verifier.user_turns:
+        # `max_steps` model turns for each user turn: the scripted user's included.
+        cfg = replace(cfg, max_steps=cfg.max_steps * (1 + len(task.verifier.user_turns)))
     if env.multi_step:
         rollouts = await _multi_step(policy, task, env, prompt, cfg, adapter, seed, group_key)
     else:
