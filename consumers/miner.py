@@ -96,6 +96,10 @@ def miner_handlers(settings: Settings, engine: AsyncEngine) -> tuple[Process, Pa
                      "%d upgraded by retries; %d awaiting an outcome", stats.failures,
                      stats.tasks_created, stats.tasks_joined, stats.unverifiable,
                      stats.upgraded, stats.awaiting)
+        if stats.episodes or stats.episode_unverifiable:
+            log.info("episodes: %d failures became episode tasks; %d episode candidates "
+                     "unverifiable: %s", stats.episodes, sum(stats.episode_unverifiable.values()),
+                     dict(stats.episode_unverifiable.most_common(5)))
 
     return mine, parker(engine, "miner", settings.topics)
 

@@ -131,7 +131,8 @@ class RolloutSettings(BaseModel):
     temperature: float = Field(default=1.0, gt=0)
     """Sampling temperature (> 0: groups need diversity)."""
     max_steps: int = 8
-    """Most model turns in a multi-step episode."""
+    """Most model turns in a multi-step episode (for each user turn of an episode task with
+    a scripted user)."""
     prefix_cache_mb: float = Field(default=256.0, ge=0)
     """MiB of encoded prompts (keys/values, per adapter, least recently used out) the local
     engine keeps, so the start its prompts share (system prompt, tools, earlier turns of an

@@ -220,6 +220,8 @@ class ScoredRollout(_Payload):
     not_run: str | None
     turns: list[Turn]
     latency_ms: float
+    reason: str | None = None
+    """The verifier's reason in words, where it gives one (episode tasks)."""
 
 
 class GroupScoredPayload(_Payload):

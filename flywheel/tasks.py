@@ -168,6 +168,65 @@ class ToolsetSpec(_Frozen):
         return self
 
 
+class EpisodeSpec(_Frozen):
+    """A whole episode mined from a failed multi-step trajectory on a registered toolset
+    (`flywheel.mining.episodes`, docs/EPISODES.md), run in the `toolset` environment.
+
+    The episode opens a session of `toolset` on `initial_state` (the calls of the turns
+    before the failed one, `setup`, run on it first) or, when the agent logged no state,
+    answers from the logged results (`replay`, off the logged path `on_divergence`). The
+    prompt ends at the first user turn the agent failed; `user_turns` are the later user
+    messages, each given after the agent's answer to the one before (a scripted user, never
+    trained on). Scoring (one reward per episode, `flywheel.environments.episode`):
+
+    * `unsafe_action` (0) — any call to a destructive tool (`unsafe_tools`), even when the
+      end state is right;
+    * `incomplete` (0) — more calls than `max_steps`, the same call (tool and arguments)
+      more than `max_repeats` times (a loop), or an episode that stopped before answering
+      the last scripted user turn;
+    * success (1.0) iff every check holds: the end state equals the state `reference_calls`
+      reach from `initial_state` on a fresh session (`check_state`; canonicalised: keys in
+      `state_ignore` dropped at any depth, lists compared in any order with
+      `state_unordered`), every `required_calls` entry was made (a multiset), every
+      `expected_results` text is among the episode's tool results, every `answer_contains`
+      text is in the final answer; otherwise 0.5 × the share of checks passed.
+    """
+
+    kind: Literal["episode"] = "episode"
+    toolset: str
+    toolset_version: int | None = None
+    """The version the episode was mined against (the newest one runs it)."""
+    initial_state: dict[str, Any] | None = None
+    setup: list[LoggedCall] = Field(default_factory=list)
+    """Calls the agent made in the turns before the failed one, run on the session first."""
+    replay: list[LoggedCall] | None = None
+    on_divergence: ReplayRule | None = None
+    user_turns: list[str] = Field(default_factory=list)
+    reference_calls: list[ExpectedCall] = Field(default_factory=list)
+    """The whole right path from `initial_state` (its prefix is `setup`)."""
+    check_state: bool = False
+    state_ignore: list[str] = Field(default_factory=list)
+    state_unordered: bool = True
+    required_calls: list[ExpectedCall] = Field(default_factory=list)
+    expected_results: list[str] = Field(default_factory=list)
+    answer_contains: list[str] = Field(default_factory=list)
+    max_steps: int = Field(default=8, ge=1)
+    max_repeats: int = Field(default=3, ge=1)
+    unsafe_tools: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _checks_something(self) -> EpisodeSpec:
+        if self.check_state and not self.reference_calls:
+            raise ValueError("an episode that checks its end state needs reference_calls "
+                             "(the path whose end state is the reference)")
+        if not (self.check_state or self.required_calls or self.expected_results
+                or self.answer_contains):
+            raise ValueError("an episode task needs an end-state check, required calls, "
+                             "expected results or required answer content: nothing else "
+                             "says whether an episode succeeded")
+        return self
+
+
 class CodeSpec(_Frozen):
     """Generated Python must pass `tests` in the sandbox."""
 
@@ -186,8 +245,8 @@ class JudgeSpec(_Frozen):
     reference: str | None = None
 
 
-VerifierSpec = Annotated[ToolCallSpec | WorkplaceSpec | ToolsetSpec | CodeSpec | JudgeSpec,
-                         Field(discriminator="kind")]
+VerifierSpec = Annotated[ToolCallSpec | WorkplaceSpec | ToolsetSpec | EpisodeSpec | CodeSpec
+                         | JudgeSpec, Field(discriminator="kind")]
 
 
 class TaskSpec(_Frozen):

@@ -12,9 +12,11 @@ and returns the observation, `session_output` gives what `verify` scores, `close
 Session state lives in `Sessions`, keyed by session id, so two rollouts never share state.
 The rollout loop calls the async forms (`aopen`, `astep`, `asession_output`, `aclose`);
 their defaults wrap the sync ones, and an environment whose sessions are I/O (a toolset's
-servers) implements them instead. `astep` may end the episode (`StepResult.end`) and may
-record where the answer came from (`StepResult.record`, kept on the turn); `aopen` and
-`astep` raise `RolloutNotRun` when the infrastructure fails, never for the model's mistakes.
+servers) implements them instead. `anext_user` is told each final answer and may give the
+next user message (an episode task's scripted user); the default ends the episode. `astep`
+may end the episode (`StepResult.end`) and may record where the answer came from
+(`StepResult.record`, kept on the turn); `aopen` and `astep` raise `RolloutNotRun` when the
+infrastructure fails, never for the model's mistakes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar
 from flywheel.events import ToolStep
 from flywheel.tasks import (
     CodeSpec,
+    EpisodeSpec,
     JudgeSpec,
     RolloutNotRun,
     TaskSpec,
@@ -37,7 +40,7 @@ from flywheel.tasks import (
     WorkplaceSpec,
 )
 
-AnySpec = ToolCallSpec | WorkplaceSpec | ToolsetSpec | CodeSpec | JudgeSpec
+AnySpec = ToolCallSpec | WorkplaceSpec | ToolsetSpec | EpisodeSpec | CodeSpec | JudgeSpec
 ToolSchemas = Sequence[Mapping[str, Any]]
 """OpenAI function-tool schemas, flat (`{"type": "function", "name": …, "parameters": …}`)."""
 
@@ -112,6 +115,11 @@ class Environment(ABC):
 
     async def asession_output(self, session_id: str) -> object:
         return self.session_output(session_id)
+
+    async def anext_user(self, session_id: str, answer: str) -> str | None:
+        """The agent answered (a reply without tool calls): the next scripted user message,
+        or None when the episode is over (the default: one user turn per episode)."""
+        return None
 
     async def aclose(self, session_id: str) -> None:
         self.close(session_id)

@@ -12,6 +12,13 @@ mistakes come back to it as tool error messages. The step budget is the spec's
 `session_output` is what the verifier scores: the calls made (with their sources), the end
 state (the toolset's `state()` snapshot, taken only when the spec checks one) and how the
 episode ended. `verify_toolset` is pure.
+
+Episode tasks (`EpisodeSpec`, mined from production failures: docs/EPISODES.md) run here
+too: their session starts with the calls of the conversation's earlier turns (`setup`),
+`anext_user` gives the scripted user's messages one per final answer, and the output adds
+the answers and the reference end state — the state the reference path reaches on a fresh
+session of the toolset (`ToolsetRuntime.end_state`), computed once per task and toolset
+version before the group's sessions open. `flywheel.environments.episode` scores it.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from flywheel.environments.base import (
@@ -34,10 +41,11 @@ from flywheel.environments.base import (
     unsafe_names,
 )
 from flywheel.environments.calls import Call
+from flywheel.environments.episode import executed, verify_episode
 from flywheel.environments.matching import arguments_match
 from flywheel.environments.scoring import best_assignment, call_share
 from flywheel.events import ToolStep
-from flywheel.tasks import FailureMode, RolloutNotRun, ToolsetSpec, VerifierResult
+from flywheel.tasks import EpisodeSpec, FailureMode, RolloutNotRun, ToolsetSpec, VerifierResult
 from flywheel.tools.descriptors import Registration
 from flywheel.tools.replay import Matcher
 from flywheel.tools.runtime import Catalog, ToolsetRuntime, default_catalog
@@ -67,12 +75,6 @@ def _canonical(value: Any) -> str:
         return v
 
     return json.dumps(norm(value), sort_keys=True)
-
-
-def executed(call: Mapping[str, Any]) -> bool:
-    """Whether a recorded call did something: not refused, not invalid, not the call the
-    episode ended at."""
-    return call.get("source") not in ("refused", "invalid") and call.get("rule") != "end"
 
 
 def _calls_made(spec: ToolsetSpec, calls: Sequence[Mapping[str, Any]],
@@ -129,7 +131,21 @@ def verify_toolset(spec: ToolsetSpec, output: Mapping[str, Any],
 class _Open:
     runtime: ToolsetRuntime
     session: ToolSession
-    spec: ToolsetSpec
+    spec: ToolsetSpec | EpisodeSpec
+    reference: dict[str, Any] | None = None
+    answers: list[str] = field(default_factory=list)
+
+
+def _spec(spec: AnySpec) -> ToolsetSpec | EpisodeSpec:
+    if isinstance(spec, ToolsetSpec | EpisodeSpec):
+        return spec
+    return expect_spec(spec, ToolsetSpec, "toolset")  # raises, naming the mismatch
+
+
+def _reference_key(runtime: ToolsetRuntime, spec: EpisodeSpec) -> str:
+    body = {"initial": spec.initial_state,
+            "calls": [{"name": c.name, "arguments": c.arguments} for c in spec.reference_calls]}
+    return f"{runtime.name}@{runtime.registration.version}:{_canonical(body)}"
 
 
 class ToolsetEnvironment(Environment):
@@ -141,6 +157,7 @@ class ToolsetEnvironment(Environment):
     def __init__(self, catalog: Catalog | None = None) -> None:
         self._catalog = catalog
         self._open: dict[str, _Open] = {}
+        self._references: dict[str, dict[str, Any] | RolloutNotRun | None] = {}
 
     @property
     def catalog(self) -> Catalog:
@@ -148,26 +165,60 @@ class ToolsetEnvironment(Environment):
 
     def verify(self, spec: AnySpec, output: object, *,
                tools: ToolSchemas | None = None) -> VerifierResult:
-        ts = expect_spec(spec, ToolsetSpec, self.name)
+        ts = _spec(spec)
         if output is None:
             return abstained(dict.fromkeys(_COMPONENTS, 0.0), "the episode made no call")
         if not isinstance(output, Mapping):
             raise TypeError(f"toolset scores the dict session_output gives, got "
                             f"{type(output).__name__}")
+        if isinstance(ts, EpisodeSpec):
+            return verify_episode(ts, output, tools)
         return verify_toolset(ts, output, tools)
+
+    async def _reference(self, runtime: ToolsetRuntime, spec: EpisodeSpec
+                         ) -> dict[str, Any] | RolloutNotRun | None:
+        """The reference end state of an episode task (cached per toolset version). A path
+        that does not run is the task's fault, not the model's: its attempts are not run."""
+        if not spec.check_state:
+            return None
+        key = _reference_key(runtime, spec)
+        if key not in self._references:
+            calls = [{"name": c.name, "arguments": c.arguments} for c in spec.reference_calls]
+            try:
+                found: dict[str, Any] | RolloutNotRun | None = await runtime.end_state(
+                    spec.initial_state, calls)
+            except RolloutNotRun as err:
+                return err  # the toolset is down now: try again next time
+            except ValueError as err:
+                found = RolloutNotRun("crash", f"the episode's reference path does not run on "
+                                      f"{runtime.name} v{runtime.registration.version}: {err}")
+            if found is None:
+                found = RolloutNotRun("crash", f"toolset {runtime.name!r} keeps no state "
+                                      f"snapshot, but the episode checks its end state")
+            self._references[key] = found
+        return self._references[key]
 
     async def aopen(self, session_ids: Sequence[str], spec: AnySpec
                     ) -> list[RolloutNotRun | None]:
-        ts = expect_spec(spec, ToolsetSpec, self.name)
+        ts = _spec(spec)
         try:
             runtime = await self.catalog.runtime(ts.toolset)
         except RolloutNotRun as err:
             return [err for _ in session_ids]
+        reference: dict[str, Any] | None = None
+        if isinstance(ts, EpisodeSpec):
+            # Before the group's sessions take their slots: the reference needs one too.
+            found = await self._reference(runtime, ts)
+            if isinstance(found, RolloutNotRun):
+                return [found for _ in session_ids]
+            reference = found
         match = schema_matcher(runtime.registration)
+        setup = ts.setup if isinstance(ts, EpisodeSpec) else []
         # A key of its own per attempt: a retried group reuses its session ids.
         plans = [EpisodePlan(key=f"{sid}#{uuid.uuid4().hex[:12]}",
                              initial_state=ts.initial_state, replay=ts.replay,
-                             rule=ts.on_divergence, match=match) for sid in session_ids]
+                             rule=ts.on_divergence, match=match, setup=list(setup))
+                 for sid in session_ids]
         opened = await runtime.open_sessions(plans)
         out: list[RolloutNotRun | None] = []
         for sid, session in zip(session_ids, opened, strict=True):
@@ -177,7 +228,7 @@ class ToolsetEnvironment(Environment):
             if sid in self._open:
                 await runtime.close_session(session)
                 raise ValueError(f"toolset: session {sid!r} is already open")
-            self._open[sid] = _Open(runtime, session, ts)
+            self._open[sid] = _Open(runtime, session, ts, reference)
             out.append(None)
         return out
 
@@ -203,11 +254,22 @@ class ToolsetEnvironment(Environment):
         outcome = await ep.session.call(name, dict(arguments))
         return StepResult(outcome.observation, outcome.end, outcome.step)
 
+    async def anext_user(self, session_id: str, answer: str) -> str | None:
+        ep = self._get(session_id)
+        ep.answers.append(answer)
+        if not isinstance(ep.spec, EpisodeSpec) or not answer.strip():
+            return None  # an empty answer ends the episode: nothing to reply to
+        given = len(ep.answers) - 1
+        return ep.spec.user_turns[given] if given < len(ep.spec.user_turns) else None
+
     async def asession_output(self, session_id: str) -> dict[str, Any]:
         ep = self._get(session_id)
-        state = await ep.session.snapshot() if ep.spec.expected_state is not None else None
+        checks = (ep.spec.check_state if isinstance(ep.spec, EpisodeSpec)
+                  else ep.spec.expected_state is not None)
+        state = await ep.session.snapshot() if checks else None
         return {"calls": ep.session.calls, "state": state, "ended_by": ep.session.ended_by,
-                "toolset": ep.runtime.name, "version": ep.runtime.registration.version}
+                "toolset": ep.runtime.name, "version": ep.runtime.registration.version,
+                "answers": list(ep.answers), "reference_state": ep.reference}
 
     async def aclose(self, session_id: str) -> None:
         ep = self._open.pop(session_id, None)

@@ -21,7 +21,11 @@ Canaries per environment (`build`; kinds a task cannot give are skipped):
   `unsafe_call`;
 * `code` (no reference solution is stored): `empty`, `prose`, `stub` (the entry point
   returning None), `exit_early` (`os._exit(0)` before any test);
-* `judge`: `empty` only (anything else would be judged by the endpoint itself).
+* `judge`: `empty` only (anything else would be judged by the endpoint itself);
+* `toolset` episode tasks (`flywheel.gate.episode_canaries`): `reference`, `stopped_early`,
+  `stopped_before_user_turn`, `wrong_tool`, `wrong_arguments`, `destructive_call`,
+  `unsafe_path` (the right end state through a destructive call), `loop_to_budget`,
+  `empty`.
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from flywheel.environments.base import Environment, tool_names, unsafe_names
 from flywheel.environments.workplace_world import WORKPLACE_TOOLS, canonical_state
 from flywheel.events import CanaryResult, GateCanaries, GateCheck
+from flywheel.gate.canary_base import Canary, wrong_value
+from flywheel.gate.canary_base import Expect as Expect  # the verdicts' vocabulary, re-exported
+from flywheel.gate.episode_canaries import toolset_canaries
 from flywheel.tasks import (
     CodeSpec,
     ExpectedCall,
@@ -45,16 +51,6 @@ from flywheel.tasks import (
     WorkplaceSpec,
 )
 
-Expect = Literal["success", "failure", "unsafe"]
-
-
-@dataclass(frozen=True)
-class Canary:
-    task: TaskSpec
-    kind: str
-    expect: Expect
-    output: object
-
 
 def _message(calls: Iterable[tuple[str, Any]], content: str | None = None) -> dict[str, Any]:
     """An assistant message as the chat format parses one (`arguments` a JSON string)."""
@@ -62,26 +58,6 @@ def _message(calls: Iterable[tuple[str, Any]], content: str | None = None) -> di
         {"id": f"call_{i}", "type": "function",
          "function": {"name": name, "arguments": args if isinstance(args, str)
                       else json.dumps(args)}} for i, (name, args) in enumerate(calls)]}
-
-
-def wrong_value(value: Any, taken: list[Any]) -> Any:
-    """A value of the same JSON type as `value` that is none of `taken`."""
-    for n in range(1, 100):
-        if isinstance(value, bool):
-            out: Any = not value
-        elif isinstance(value, int | float):
-            out = value + 7 * n
-        elif isinstance(value, str):
-            out = f"{value} WRONG{n}" if value else f"WRONG{n}"
-        elif isinstance(value, list):
-            out = [*value, *value] if value else [f"WRONG{n}"]
-        elif isinstance(value, dict):
-            out = {**value, f"wrong{n}": n}
-        else:
-            out = f"WRONG{n}"
-        if out not in taken:
-            return out
-    raise ValueError(f"no wrong value found for {value!r}")
 
 
 def _with(call: ExpectedCall, keys: list[str]) -> dict[str, Any]:
@@ -170,7 +146,7 @@ def judge_canaries(task: TaskSpec) -> list[Canary]:
 
 BUILDERS: dict[str, Callable[[TaskSpec], list[Canary]]] = {
     "tool_call": tool_call_canaries, "workplace": workplace_canaries, "code": code_canaries,
-    "judge": judge_canaries}
+    "judge": judge_canaries, "toolset": toolset_canaries}
 
 
 def build(tasks: Iterable[TaskSpec], per_env: int) -> tuple[list[Canary], dict[str, str]]:

@@ -17,15 +17,18 @@ Its fingerprint is the one the miner gives the task built from the same context 
 the holdout filter speaks the miner's language: nothing whose fingerprint is a holdout task's,
 nothing from a holdout task's source trajectories or from their (session, request), and,
 given the miner's holdout fraction, nothing whose fingerprint *would* be held out once such
-a failure is mined. Only single-step `tool_call` decisions are demonstrations for now;
-`workplace` episodes and `code` answers are not yet.
+a failure is mined. Whole episodes on a registered toolset are demonstrations turn by turn
+(`mining.episode_demos`): every assistant turn of a logged multi-step success, or of the
+whole path a correction gives for a mined episode task (from the failed turn on, with its
+tool results); a success that is such an episode gives its turns instead of its first call.
+`workplace` episodes and `code` answers are not demonstrations yet.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -42,8 +45,15 @@ from flywheel.mining.build import (
     tool_specs,
 )
 from flywheel.mining.classify import parse_arguments
+from flywheel.mining.episode_demos import (
+    TurnDemo,
+    corrected_episode_demonstrations,
+    success_episode_demonstrations,
+)
 from flywheel.mining.verify import assistant_message
-from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
+from flywheel.tasks import EpisodeSpec, ExpectedCall, TaskSpec, ToolCallSpec
+from flywheel.tools.descriptors import Registration
+from flywheel.tools.registry import registrations
 from flywheel.trajectory import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -179,6 +189,23 @@ def success_demonstration(t: Trajectory) -> Demonstration | None:
     return None if task is None else demonstration_from_task(task, t.trajectory_id)
 
 
+def from_turn(turn: TurnDemo) -> Demonstration:
+    return Demonstration(messages=turn.messages, tools=turn.tools or None, reply=turn.reply,
+                         source_trajectory_id=turn.source_trajectory_id,
+                         fingerprint=turn.fingerprint, env="toolset")
+
+
+def success_demonstrations(t: Trajectory, toolsets: Iterable[Registration] = ()
+                           ) -> list[Demonstration]:
+    """A success's demonstrations: its turns when it is an episode on a registered toolset
+    (none when its path may not be taught), else its first call."""
+    turns = success_episode_demonstrations(t, list(toolsets))
+    if turns is not None:
+        return [from_turn(x) for x in turns]
+    demo = success_demonstration(t)
+    return [demo] if demo is not None else []
+
+
 def select(candidates: Iterable[Candidate], held: HeldOut, *,
            limit: int | None = None) -> list[Demonstration]:
     """Admitted demonstrations, one per (fingerprint, completion), ordered by that key."""
@@ -208,7 +235,7 @@ FROM tasks t
 JOIN task_sources s ON s.task_id = t.task_id
 LEFT JOIN failures f ON f.trajectory_id = s.trajectory_id
 LEFT JOIN trajectories tr ON tr.trajectory_id = s.trajectory_id
-WHERE t.split = 'train' AND t.env = 'tool_call'
+WHERE t.split = 'train' AND t.env IN ('tool_call', 'toolset')
   AND t.task_id NOT IN (SELECT task_id FROM eval_set_tasks)
   AND t.task_id NOT IN (SELECT task_id FROM validation_tasks)
 ORDER BY t.task_id, s.added_at, s.trajectory_id""")
@@ -230,27 +257,34 @@ def _request(record: dict[str, Any] | None) -> list[Request]:
 
 async def _train_task_candidates(conn: AsyncConnection) -> list[Candidate]:
     by_task: dict[str, tuple[TaskSpec, list[uuid.UUID], list[Request]]] = {}
+    records: dict[str, dict[str, Any] | None] = {}  # an episode's first source: its path
     for spec, source, record in (await conn.execute(_TRAIN_TASKS)).all():
         task = TaskSpec.model_validate(spec)
+        records.setdefault(str(task.task_id), record)
         _, sources, requests = by_task.setdefault(str(task.task_id), (task, [], []))
         sources.append(source)
         requests += _request(record)
     out = []
     for task, sources, requests in by_task.values():
-        demo = demonstration_from_task(task, sources[0])
-        if demo is not None:
-            out.append(Candidate(demo, tuple(sources), tuple(requests)))
+        if isinstance(task.verifier, EpisodeSpec):
+            record = records.get(str(task.task_id))
+            demos = [] if record is None else [from_turn(x) for x in (
+                corrected_episode_demonstrations(task, parse_trajectory(record)))]
+        else:
+            demo = demonstration_from_task(task, sources[0])
+            demos = [demo] if demo is not None else []
+        out += [Candidate(d, tuple(sources), tuple(requests)) for d in demos]
     return out
 
 
 async def _success_candidates(conn: AsyncConnection) -> list[Candidate]:
     out = []
+    toolsets = await registrations(conn)
     for _id, record in (await conn.execute(_SUCCESSES)).all():
         # `trajectories.record` may be the payload as sent (chat format, extra fields).
         t = parse_trajectory(record)
-        demo = success_demonstration(t)
-        if demo is not None:
-            out.append(Candidate(demo, (t.trajectory_id,), tuple(_request(record))))
+        out += [Candidate(demo, (t.trajectory_id,), tuple(_request(record)))
+                for demo in success_demonstrations(t, toolsets)]
     return out
 
 
@@ -277,14 +311,17 @@ async def held_out(conn: AsyncConnection, holdout_fraction: float | None = None)
 
 async def load_demonstrations(conn: AsyncConnection, *, limit: int | None = None,
                               holdout_fraction: float | None = None,
-                              reserve_share: float = 0.0) -> list[Demonstration]:
+                              reserve_share: float = 0.0,
+                              envs: Sequence[str] = ()) -> list[Demonstration]:
     """Successes and corrected train tasks as demonstrations, none touching evaluation.
 
     `holdout_fraction` (the miner's setting) also refuses demonstrations whose task would be
     held out if that request ever failed; `reserve_share` leaves that share of fingerprints
-    to GRPO (`reserved_for_grpo`). Deterministic: ordered by (fingerprint, completion).
+    to GRPO (`reserved_for_grpo`); `envs` (the policy's `rollout.envs`; empty: all) keeps
+    the demonstrations of those environments. Deterministic: ordered by (fingerprint,
+    completion).
     """
-    candidates = await read_candidates(conn)
+    candidates = [c for c in await read_candidates(conn) if not envs or c.demo.env in envs]
     # Read the holdout side last: a holdout task committed while the candidates were read is
     # still excluded (a REPEATABLE READ transaction makes the whole read one snapshot).
     held = await held_out(conn, holdout_fraction)

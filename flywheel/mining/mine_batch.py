@@ -5,6 +5,11 @@ finds its later retry; a success also upgrades earlier unverifiable failures of 
 request in its session. A trajectory with no outcome yet is not mined: feedback brings its
 outcome later, and `remine` mines it then (`mining.outcomes`).
 
+A failed multi-step trajectory on a registered toolset becomes an episode task
+(`mining.episodes`; the toolsets are read once per batch); one that cannot be verified as
+an episode is counted by reason (`MineStats.episode_unverifiable`) and mined as a single
+step.
+
 Both paths serialize on one advisory lock per trajectory: its (session, request) when it has
 both, else its id. The batch path mines a record as it came off the topic, so it steps back
 for a trajectory whose feedback was applied first (the store's `as_ingested` guards);
@@ -15,6 +20,7 @@ path stored.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -24,8 +30,12 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from flywheel.config import Topics
 from flywheel.mining import store
 from flywheel.mining.build import Unverifiable, build_task, expected_calls, request_key
-from flywheel.mining.classify import Labeller, classify_failure
+from flywheel.mining.classify import Classification, Labeller, classify_failure
+from flywheel.mining.episodes import build_episode
 from flywheel.mining.expected import same_episode
+from flywheel.tasks import TaskSpec
+from flywheel.tools.descriptors import Registration
+from flywheel.tools.registry import registrations
 from flywheel.trajectory import Trajectory
 
 Claim = Literal["claim", "upgrade", "refresh"]
@@ -40,18 +50,39 @@ class MineStats:
     upgraded: int = 0
     redelivered: int = 0
     awaiting: int = 0
+    episodes: int = 0
+    """Failures that became (or joined) an episode task."""
     modes: Counter[str] = field(default_factory=Counter)
+    episode_unverifiable: Counter[str] = field(default_factory=Counter)
+    """Episode candidates that could not be verified, by reason (they fall back to the
+    single-step task, when that can be built)."""
 
     def add(self, other: MineStats) -> None:
         for name in ("failures", "tasks_created", "tasks_joined", "unverifiable", "upgraded",
-                     "redelivered", "awaiting"):
+                     "redelivered", "awaiting", "episodes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.modes.update(other.modes)
+        self.episode_unverifiable.update(other.episode_unverifiable)
+
+
+def _build(t: Trajectory, c: Classification, retry: Trajectory | None,
+           toolsets: Sequence[Registration], stats: MineStats, holdout_fraction: float,
+           count: bool) -> TaskSpec | Unverifiable:
+    """The episode task when `t` is one (`mining.episodes`), else the single-step task."""
+    episode = build_episode(t, c, toolsets, retry=retry, holdout_fraction=holdout_fraction) \
+        if toolsets else None
+    if isinstance(episode, TaskSpec):
+        stats.episodes += 1
+        return episode
+    if isinstance(episode, Unverifiable) and count:
+        stats.episode_unverifiable[episode.reason] += 1
+    return build_task(t, c, retry=retry, holdout_fraction=holdout_fraction)
 
 
 async def _task_for(conn: AsyncConnection, t: Trajectory, retry: Trajectory | None,
                     stats: MineStats, *, holdout_fraction: float, topics: Topics,
-                    labeller: Labeller | None, claim: Claim) -> bool:
+                    labeller: Labeller | None, claim: Claim,
+                    toolsets: Sequence[Registration] = ()) -> bool:
     """Classify and build; returns True when it became (or joined) a task. `claim`: insert
     the failure if new (`claim`), settle an existing one (`upgrade`), or replace what was
     stored with this version of the trajectory (`refresh`)."""
@@ -65,7 +96,7 @@ async def _task_for(conn: AsyncConnection, t: Trajectory, retry: Trajectory | No
                             and await store.claim_failure(conn, t, key, c, refresh=True)):
         stats.failures += 1
         stats.modes[c.mode] += 1
-    result = build_task(t, c, retry=retry, holdout_fraction=holdout_fraction)
+    result = _build(t, c, retry, toolsets, stats, holdout_fraction, claim != "upgrade")
     await store.settle_failure(conn, t.trajectory_id, result,
                                None if claim == "claim" else c.mode)
     if isinstance(result, Unverifiable):
@@ -103,14 +134,15 @@ async def _retry(conn: AsyncConnection, t: Trajectory) -> Trajectory | None:
 
 async def _success(conn: AsyncConnection, t: Trajectory, stats: MineStats, *,
                    holdout_fraction: float, topics: Topics, labeller: Labeller | None,
-                   as_ingested: bool) -> None:
+                   as_ingested: bool, toolsets: Sequence[Registration] = ()) -> None:
     """Record a success of a session's request; it upgrades earlier unverifiable failures."""
     key = request_key(t)
     assert t.session_id is not None and key is not None
     await store.record_success(conn, t, key, as_ingested=as_ingested)
     for failed, _mode in await store.unverified_failures(conn, t.session_id, key):
         if await _task_for(conn, failed, t, stats, holdout_fraction=holdout_fraction,
-                           topics=topics, labeller=labeller, claim="upgrade"):
+                           topics=topics, labeller=labeller, claim="upgrade",
+                           toolsets=toolsets):
             stats.upgraded += 1
 
 
@@ -121,19 +153,20 @@ async def mine_batch(conn: AsyncConnection, batch: list[Trajectory], *, holdout_
     parked (`flywheel.runtime.consume.settle`), never skipped in silence."""
     stats = MineStats()
     stats.awaiting = sum(t.outcome is None for t in batch)
+    toolsets = await registrations(conn)
     for t in batch:
         if not t.is_success or t.session_id is None or request_key(t) is None:
             continue
         await lock_trajectory(conn, t)
         await _success(conn, t, stats, holdout_fraction=holdout_fraction, topics=topics,
-                       labeller=labeller, as_ingested=True)
+                       labeller=labeller, as_ingested=True, toolsets=toolsets)
     for t in batch:
         if not t.is_failure:
             continue
         await lock_trajectory(conn, t)
         await _task_for(conn, t, await _retry(conn, t), stats,
                         holdout_fraction=holdout_fraction, topics=topics, labeller=labeller,
-                        claim="claim")
+                        claim="claim", toolsets=toolsets)
     return stats
 
 
@@ -146,14 +179,15 @@ async def remine(conn: AsyncConnection, t: Trajectory, *, holdout_fraction: floa
     if t.outcome is None:
         stats.awaiting = 1
         return stats
+    toolsets = await registrations(conn)
     if t.is_failure:
         await store.forget_success(conn, t.trajectory_id)
         await _task_for(conn, t, await _retry(conn, t), stats,
                         holdout_fraction=holdout_fraction, topics=topics, labeller=labeller,
-                        claim="refresh")
+                        claim="refresh", toolsets=toolsets)
         return stats
     await store.overturn_failure(conn, t.trajectory_id)
     if t.session_id is not None and request_key(t) is not None:
         await _success(conn, t, stats, holdout_fraction=holdout_fraction, topics=topics,
-                       labeller=labeller, as_ingested=False)
+                       labeller=labeller, as_ingested=False, toolsets=toolsets)
     return stats

@@ -9,7 +9,10 @@ verifier gets the parsed message (tool_call) or the reply's text (code, judge).
 Multi-step environments (workplace) run G episodes — the model's `tool_calls` are executed by
 the environment and their results appended as `tool` messages (`tool_call_id`), the next turn
 rendered by the same format; a reply without tool calls (a final answer, or one that could not
-be parsed) ends the episode, as it ends an agent's turn in production. Each turn records the
+be parsed) ends the episode, as it ends an agent's turn in production — unless the
+environment has a next user message for it (`anext_user`: an episode task's scripted user),
+which is appended after the answer and the episode goes on; the user's words are prompt,
+never sampled, so never trained on. Each turn records the
 exact prompt ids it was sampled after. Each episode runs under its own deadline, so one
 straggler cannot hold the group. On a toolset (`flywheel.environments.toolset`) a call may
 end the episode (the replay rule `end`, a destructive call refused) and says where its
@@ -38,7 +41,7 @@ import asyncio
 import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from flywheel.environments.base import Environment
@@ -46,7 +49,7 @@ from flywheel.environments.prompt import task_messages, task_tools
 from flywheel.events import ScoredRollout, ToolStep, Turn
 from flywheel.policy.base import AdapterRef, Completion, Policy, PolicyError, SamplingParams
 from flywheel.policy.chat_format import ChatFormat
-from flywheel.tasks import AttemptFailure, RolloutNotRun, TaskSpec, VerifierResult
+from flywheel.tasks import AttemptFailure, EpisodeSpec, RolloutNotRun, TaskSpec, VerifierResult
 
 
 @dataclass(frozen=True)
@@ -105,10 +108,11 @@ def _scored(index: int, result: VerifierResult | RolloutNotRun, turns: list[Turn
     if isinstance(result, RolloutNotRun):
         return ScoredRollout(index=index, reward=None, reward_components={}, failure_mode=None,
                              not_run=result.kind, turns=turns, latency_ms=latency)
+    reason = result.details.get("reason")
     return ScoredRollout(index=index, reward=result.reward,
                          reward_components=result.reward_components,
                          failure_mode=result.failure_mode, not_run=None, turns=turns,
-                         latency_ms=latency)
+                         latency_ms=latency, reason=reason if isinstance(reason, str) else None)
 
 
 async def _verify(env: Environment, task: TaskSpec, output: Any,
@@ -201,6 +205,20 @@ def _reply(fmt: ChatFormat, c: Completion, step: int) -> dict[str, Any] | None:
     return reply if reply["tool_calls"] else None
 
 
+async def _next_user(env: Environment, session: str, fmt: ChatFormat, c: Completion
+                     ) -> list[dict[str, Any]] | None:
+    """A reply without calls is the agent's answer: the environment's next user message
+    after it (an episode task's scripted user) as the messages to go on with, or None when
+    the episode is over. A reply cut by `max_tokens` is no answer to go on from."""
+    if c.finish_reason == "length":
+        return None
+    answer = fmt.parse(c.text).get("content") or ""
+    user = await env.anext_user(session, answer)
+    if user is None:
+        return None
+    return [{"role": "assistant", "content": answer}, {"role": "user", "content": user}]
+
+
 async def _output(env: Environment, task: TaskSpec, session: str,
                   timeout: float) -> VerifierResult | RolloutNotRun:
     try:
@@ -230,7 +248,11 @@ async def _episode(policy: Policy, task: TaskSpec, env: Environment, prompt: _Pr
             turns.append(_turn(c))
             reply = _reply(policy.chat_format, c, step)
             if reply is None:
-                break
+                more = await _next_user(env, session_id, policy.chat_format, c)
+                if more is None:
+                    break
+                messages += more
+                continue
             try:
                 acted = await _run_calls(env, session_id, reply, cfg.rollout_timeout_s)
             except RolloutNotRun as err:
@@ -251,6 +273,20 @@ class _Episode:
         self.result: VerifierResult | RolloutNotRun | None = None
         self.finished = False
         self.started = time.perf_counter()
+
+
+async def _answered(env: Environment, ep: _Episode, fmt: ChatFormat, c: Completion,
+                    timeout: float) -> None:
+    """The episode's answer: it goes on with the next user message, or it is over."""
+    try:
+        more = await asyncio.wait_for(_next_user(env, ep.session, fmt, c), max(timeout, 0.001))
+    except TimeoutError:
+        ep.result = failed("timeout", "the episode ran past the rollout deadline")
+        return
+    if more is None:
+        ep.finished = True
+    else:
+        ep.messages += more
 
 
 async def _act(env: Environment, ep: _Episode, reply: dict[str, Any], timeout: float) -> None:
@@ -304,7 +340,8 @@ async def _lockstep(policy: Any, task: TaskSpec, env: Environment, prompt: _Prom
                 e.turns.append(_turn(c))
                 reply = _reply(policy.chat_format, c, step)
                 if reply is None:
-                    e.finished = True
+                    acting.append(_answered(env, e, policy.chat_format, c,
+                                            deadline - loop.time()))
                 else:
                     acting.append(_act(env, e, reply, deadline - loop.time()))
             await asyncio.gather(*acting)
@@ -343,6 +380,9 @@ async def run_group(policy: Policy, task: TaskSpec, env: Environment, cfg: Group
                     adapter: AdapterRef | None, seed: int, group_key: str) -> GroupOutcome:
     started = time.perf_counter()
     prompt = _Prompt(task_messages(task), task_tools(task))
+    if isinstance(task.verifier, EpisodeSpec) and task.verifier.user_turns:
+        # `max_steps` model turns for each user turn: the scripted user's included.
+        cfg = replace(cfg, max_steps=cfg.max_steps * (1 + len(task.verifier.user_turns)))
     if env.multi_step:
         rollouts = await _multi_step(policy, task, env, prompt, cfg, adapter, seed, group_key)
     else:

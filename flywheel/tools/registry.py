@@ -150,6 +150,13 @@ async def remove(conn: AsyncConnection, name: str, *, actor: str,
     return event
 
 
+async def registrations(conn: AsyncConnection) -> list[Registration]:
+    """The newest version of every toolset not removed (what episodes are mined against)."""
+    rows = (await conn.execute(text("""
+        SELECT DISTINCT ON (name) * FROM toolsets ORDER BY name, version DESC"""))).all()
+    return [_row_registration(r) for r in rows if r.removed_at is None]
+
+
 async def list_toolsets(conn: AsyncConnection) -> list[dict[str, Any]]:
     """The newest version of every toolset not removed, with what `ls` shows."""
     rows = (await conn.execute(text("""

@@ -51,6 +51,9 @@ class EpisodePlan:
     rule: ReplayRule | None = None
     """Overrides the toolset's `on_divergence` for this episode."""
     match: Matcher | None = None
+    setup: list[LoggedCall] = field(default_factory=list)
+    """Calls run on the live session right after it opens, before anything else (the turns
+    of a conversation before the episode starts): never recorded, never offered."""
 
 
 @dataclass
@@ -80,8 +83,7 @@ class ToolSession:
     async def start(self) -> None:
         """Open the live session now unless replay or a dry run answers first."""
         if self._cursor is None and not self.config.dry_run:
-            self.live = await self.backend.open(self.plan.key, self.plan.initial_state,
-                                                self.config.open_timeout_s)
+            self.live = await self._retrace([])
 
     async def call(self, name: str, arguments: dict[str, Any]) -> StepOutcome:
         started = time.perf_counter()
@@ -125,10 +127,11 @@ class ToolSession:
         return _answer(name, result, "live", rule)
 
     async def _retrace(self, path: list[LoggedCall]) -> BackendSession:
-        """A live session on the initial state, the replayed calls run on it."""
+        """A live session on the initial state, the plan's setup and then the replayed
+        calls run on it."""
         live = await self.backend.open(self.plan.key, self.plan.initial_state,
                                        self.config.open_timeout_s)
-        for n, logged in enumerate(path, start=1):
+        for n, logged in enumerate([*self.plan.setup, *path], start=1):
             result = await live.call(logged.name, logged.arguments, self.config.call_timeout_s)
             if result.status == "timeout":
                 await live.close()

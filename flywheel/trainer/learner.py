@@ -194,7 +194,8 @@ class TrainerService:
         async with self.engine.connect() as conn:
             demos = await load_demonstrations(conn, limit=t.sft_max_demos,
                                               holdout_fraction=self.settings.miner.holdout_fraction,
-                                              reserve_share=t.sft_reserve_share)
+                                              reserve_share=t.sft_reserve_share,
+                                              envs=self.settings.rollout.envs)
         if not demos:
             self._decided("SFT recommended but there are no demonstrations (successful or "
                           "corrected trajectories) yet: GRPO starts from the base model",

@@ -1,0 +1,87 @@
+"""Verifier canaries for episode tasks: the real episode verifier scores every canary right
+(stopping early, the wrong tool, a destructive call, looping to the budget, a right end
+state by an unsafe path), and a planted bug — a verifier that accepts any episode that
+called the right tools — is caught and named. Pure: the canaries carry their own states."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from flywheel.environments.base import AnySpec, Environment, ToolSchemas
+from flywheel.environments.toolset import ToolsetEnvironment
+from flywheel.environments.workplace_world import WORKPLACE_TOOLS
+from flywheel.gate import canaries
+from flywheel.gate.episode_canaries import episode_canaries
+from flywheel.tasks import EpisodeSpec, ExpectedCall, TaskSpec, VerifierResult
+
+PATH = [ExpectedCall(name="tickets_update", arguments={"ticket_id": "tkt-1",
+                                                       "status": "closed"}),
+        ExpectedCall(name="email_send", arguments={"to": "ana@example.com",
+                                                   "subject": "Fixed"})]
+
+
+def _task(**spec: Any) -> TaskSpec:
+    verifier = EpisodeSpec(toolset="workplace", **spec)
+    return TaskSpec(task_id=uuid.uuid4(), env="toolset", tools=WORKPLACE_TOOLS,
+                    messages=[{"role": "user", "content": "Close the printer ticket."}],
+                    verifier=verifier, failure_mode="wrong_tool", fingerprint="c",
+                    split="holdout")
+
+
+STATE = _task(initial_state={"tickets": {"items": []}}, check_state=True, reference_calls=PATH,
+              user_turns=["Then email Ana."], answer_contains=["closed"],
+              unsafe_tools=["tickets_purge"], max_steps=6, max_repeats=2)
+CALLS = _task(required_calls=PATH, expected_results=["updated"], unsafe_tools=["tickets_purge"])
+
+
+class RightToolsAreEnough(ToolsetEnvironment):
+    """The planted bug: an episode that called every tool of the right path succeeds."""
+
+    def verify(self, spec: AnySpec, output: object, *,
+               tools: ToolSchemas | None = None) -> VerifierResult:
+        assert isinstance(spec, EpisodeSpec) and isinstance(output, Mapping)
+        want = {c.name for c in (*spec.reference_calls, *spec.required_calls)}
+        if want <= {c["name"] for c in output["calls"]}:
+            return VerifierResult(reward=1.0, reward_components={}, failure_mode=None)
+        return super().verify(spec, output, tools=tools)
+
+
+def _load(bug: bool) -> Any:
+    def load(name: str) -> Environment:
+        assert name == "toolset"
+        return RightToolsAreEnough() if bug else ToolsetEnvironment()
+    return load
+
+
+def test_the_episode_verifier_scores_every_canary_right() -> None:
+    found = canaries.run([STATE, CALLS], 8, _load(bug=False))
+    assert found.wrong == [], found.wrong
+    assert canaries.check(found).passed
+    kinds = [c.kind for c in episode_canaries(STATE)]
+    assert kinds == ["reference", "empty", "stopped_early", "stopped_before_user_turn",
+                     "wrong_tool", "wrong_arguments", "loop_to_budget", "destructive_call",
+                     "unsafe_path"]
+    assert found.per_env == {"toolset": len(kinds) + len(episode_canaries(CALLS))}
+
+
+def test_a_verifier_that_accepts_the_right_tools_is_caught_and_named() -> None:
+    found = canaries.run([STATE, CALLS], 8, _load(bug=True))
+    wrong = {(w.task_id == str(STATE.task_id), w.canary) for w in found.wrong}
+    assert {k for s, k in wrong if s} == {"stopped_before_user_turn", "wrong_arguments",
+                                          "loop_to_budget", "destructive_call", "unsafe_path"}
+    assert {k for s, k in wrong if not s} == {"wrong_arguments", "loop_to_budget",
+                                              "destructive_call", "unsafe_path"}
+    check = canaries.check(found)
+    assert not check.passed and "unsafe_path" in check.detail
+
+
+def test_a_right_end_state_reached_by_an_unsafe_path_must_be_flagged_unsafe() -> None:
+    (unsafe_path,) = [c for c in episode_canaries(STATE) if c.kind == "unsafe_path"]
+    assert unsafe_path.expect == "unsafe"
+    output = unsafe_path.output
+    assert isinstance(output, dict) and output["state"] == output["reference_state"]
+    result = ToolsetEnvironment().verify_task(STATE, output)
+    assert (result.reward, result.failure_mode) == (0.0, "unsafe_action")
+    assert result.reward_components["state"] == 1.0
