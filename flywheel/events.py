@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 # Namespace of event ids derived from their cause (a Kafka position, …), so that re-processing
 # the same input yields the same event id and the append is a no-op.
 EVENT_ID_NAMESPACE = uuid.UUID("0d5e3f8a-7c41-4b8e-b1c2-5a6f9e2d4c37")
+TOOL_OUTPUT_CHARS = 300
+"""How much of a tool result a `ToolStep` keeps."""
 
 
 def derived_event_id(*parts: object) -> uuid.UUID:
@@ -197,6 +199,9 @@ class ToolStep(_Payload):
     unsafe: bool = False
     """A call to a destructive tool not allowed live: an unsafe action."""
     ms: float = 0.0
+    output: str = ""
+    """The answer the agent was given, cut to `TOOL_OUTPUT_CHARS` (what the gate's "what
+    changed" shows of an episode)."""
 
 
 class Turn(_Payload):
@@ -441,6 +446,28 @@ class TrainGap(_Payload):
     warning: str | None = None
 
 
+class EpisodeCall(_Payload):
+    """One tool call of an episode as "what changed" shows it."""
+
+    name: str
+    arguments: str
+    """The arguments as the model wrote them (JSON text, cut)."""
+    result: str = ""
+    """The tool result the agent got (cut); empty where none was kept."""
+    source: str = ""
+    """Where the result came from (`ToolStep.source`)."""
+
+
+class EpisodeTurn(_Payload):
+    """One assistant turn of an episode: its calls with their results, or its answer — and
+    the scripted user's message that followed it, if one did."""
+
+    calls: list[EpisodeCall] = []
+    text: str = ""
+    """The reply's text without its calls (an answer), cut."""
+    user: str | None = None
+
+
 class ChangedSide(_Payload):
     success: float
     """Share of this side's paired attempts at the task that succeeded."""
@@ -449,6 +476,9 @@ class ChangedSide(_Payload):
     failure_mode: str | None
     reason: str
     """The verifier's verdict on that reply, in words."""
+    episode: list[EpisodeTurn] | None = None
+    """That attempt turn by turn, for an episode task (None: a single step, or a run
+    cached before episodes were kept)."""
 
 
 class ChangedTask(_Payload):
@@ -456,6 +486,9 @@ class ChangedTask(_Payload):
     groups: list[str]
     candidate: ChangedSide
     production: ChangedSide
+    diverged_at: int | None = None
+    """Episode tasks: the first turn (1-based) whose calls differ between the two shown
+    attempts (one side's turn missing counts); None when their calls never differ."""
 
 
 class ChangeCount(_Payload):

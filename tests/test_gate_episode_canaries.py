@@ -14,7 +14,7 @@ from flywheel.environments.toolset import ToolsetEnvironment
 from flywheel.environments.workplace_world import WORKPLACE_TOOLS
 from flywheel.gate import canaries
 from flywheel.gate.episode_canaries import episode_canaries
-from flywheel.tasks import EpisodeSpec, ExpectedCall, TaskSpec, VerifierResult
+from flywheel.tasks import EpisodeSpec, ExpectedCall, TaskSpec, ToolsetSpec, VerifierResult
 
 PATH = [ExpectedCall(name="tickets_update", arguments={"ticket_id": "tkt-1",
                                                        "status": "closed"}),
@@ -85,3 +85,16 @@ def test_a_right_end_state_reached_by_an_unsafe_path_must_be_flagged_unsafe() ->
     result = ToolsetEnvironment().verify_task(STATE, output)
     assert (result.reward, result.failure_mode) == (0.0, "unsafe_action")
     assert result.reward_components["state"] == 1.0
+
+
+def test_hand_built_toolset_tasks_take_no_place_from_episode_tasks_canaries() -> None:
+    """A `ToolsetSpec` task gives no canaries yet: the episode task after it still gets its
+    own within the gate's `canary_tasks` per environment."""
+    hand = TaskSpec(task_id=uuid.UUID(int=0), env="toolset", tools=WORKPLACE_TOOLS,
+                    messages=[{"role": "user", "content": "List the tickets."}],
+                    verifier=ToolsetSpec(toolset="workplace", expected_calls=[PATH[0]]),
+                    failure_mode="wrong_tool", fingerprint="h", split="holdout")
+    built, skipped = canaries.build([hand, STATE], 1)
+    assert {c.task.task_id for c in built} == {STATE.task_id} and skipped == {}
+    built, skipped = canaries.build([hand], 1)
+    assert built == [] and "toolset" in skipped

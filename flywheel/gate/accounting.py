@@ -49,6 +49,12 @@ class Attempt:
     calling_turns: int = 0
     """Turns that called at least one tool."""
     components: dict[str, float] = field(default_factory=dict)
+    reason: str | None = None
+    """The verifier's reason in words, where it gives one (episode tasks)."""
+    episode: list[dict[str, Any]] | None = None
+    """Episode tasks: the attempt turn by turn (`flywheel.events.EpisodeTurn` as JSON: its
+    calls with arguments and tool results, its answer, the scripted user's next message),
+    for "what changed"; None for a single step."""
 
 
 REPLY_CHARS = 600

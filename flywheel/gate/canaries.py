@@ -150,8 +150,8 @@ BUILDERS: dict[str, Callable[[TaskSpec], list[Canary]]] = {
 
 
 def build(tasks: Iterable[TaskSpec], per_env: int) -> tuple[list[Canary], dict[str, str]]:
-    """Canaries of the first `per_env` tasks of each environment (in the given order), and
-    the environments skipped with why."""
+    """Canaries of the first `per_env` tasks of each environment that give any (in the
+    given order), and the environments skipped with why."""
     taken: dict[str, int] = {}
     out: list[Canary] = []
     skipped: dict[str, str] = {}
@@ -162,8 +162,14 @@ def build(tasks: Iterable[TaskSpec], per_env: int) -> tuple[list[Canary], dict[s
             continue
         if taken.get(task.env, 0) >= per_env:
             continue
-        taken[task.env] = taken.get(task.env, 0) + 1
-        out += builder(task)
+        built = builder(task)
+        taken.setdefault(task.env, 0)
+        if built:  # a task that gives none (a hand-built toolset task) takes no place
+            taken[task.env] += 1
+            out += built
+    for env, n in taken.items():
+        if n == 0:
+            skipped[env] = "none of its tasks' verifiers has canaries yet"
     return out, skipped
 
 

@@ -25,6 +25,7 @@ import logging
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -35,12 +36,12 @@ from flywheel.config import Settings
 from flywheel.environments import load_environment
 from flywheel.environments.base import Environment
 from flywheel.errors import TransientError
-from flywheel.events import ScoredRollout
+from flywheel.events import EpisodeCall, EpisodeTurn, ScoredRollout
 from flywheel.gate.accounting import REPLY_CHARS, Attempt, EvalRun
 from flywheel.policy.base import AdapterRef, Policy
 from flywheel.policy.chat_format import ChatFormat
 from flywheel.rollout.loop import GroupConfig, GroupOutcome, run_group
-from flywheel.tasks import TaskSpec, ToolCallSpec
+from flywheel.tasks import EpisodeSpec, TaskSpec, ToolCallSpec
 
 log = logging.getLogger("flywheel.gate")
 ACCOUNTING = 2
@@ -91,10 +92,13 @@ async def load_train_tasks(conn: AsyncConnection, version: int, max_tasks: int,
 
 def task_groups(task: TaskSpec) -> list[str]:
     """The groups a task is judged in: its environment, its failure mode, its expected tools
-    (one group per distinct tool a tool_call task expects)."""
+    (one group per distinct tool a tool_call task expects), and `kind:episode` for an
+    episode task (whole episodes on a toolset, judged apart from single steps)."""
     groups = [f"env:{task.env}", f"mode:{task.failure_mode}"]
     if isinstance(task.verifier, ToolCallSpec):
         groups += [f"tool:{name}" for name in sorted({c.name for c in task.verifier.expected})]
+    if isinstance(task.verifier, EpisodeSpec):
+        groups.append("kind:episode")
     return groups
 
 
@@ -114,7 +118,32 @@ def _attempt(task: TaskSpec, r: ScoredRollout, offset: int = 0,
                    finish_reason=r.turns[-1].finish_reason if r.turns else "",
                    turns=len(r.turns), calls=[n for turn in called for n in turn],
                    calling_turns=sum(1 for turn in called if turn),
-                   components=dict(r.reward_components))
+                   components=dict(r.reward_components), reason=r.reason,
+                   episode=_episode(task, r, fmt))
+
+
+def _episode(task: TaskSpec, r: ScoredRollout, fmt: ChatFormat | None
+             ) -> list[dict[str, Any]] | None:
+    """An episode attempt turn by turn, as "what changed" shows it (`EpisodeTurn`): the
+    calls as the chat format parses them, each with the tool result the turn kept, the
+    answer's text, and the scripted user's message after each answer but the last."""
+    spec = task.verifier
+    if not isinstance(spec, EpisodeSpec) or fmt is None:
+        return None
+    users = iter(spec.user_turns)
+    out: list[EpisodeTurn] = []
+    for k, t in enumerate(r.turns):
+        parsed = fmt.parse(t.text)
+        steps = t.tools or []
+        calls = [EpisodeCall(name=c["function"]["name"],
+                             arguments=c["function"]["arguments"][:REPLY_CHARS],
+                             result=steps[i].output if i < len(steps) else "",
+                             source=steps[i].source if i < len(steps) else "")
+                 for i, c in enumerate(parsed["tool_calls"])]
+        answered = not calls and k < len(r.turns) - 1
+        out.append(EpisodeTurn(calls=calls, text=(parsed.get("content") or "")[:REPLY_CHARS],
+                               user=next(users, None) if answered else None))
+    return [t.model_dump() for t in out]
 
 
 def _called(fmt: ChatFormat | None, r: ScoredRollout) -> list[list[str]]:

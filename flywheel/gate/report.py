@@ -28,13 +28,45 @@ def _counts(title: str, counts: dict[str, Any]) -> list[str]:
                                               "broken"], rows)]
 
 
+def _turn(turn: dict[str, Any] | None) -> str:
+    """One episode turn in a cell: each call with its result, or the answer; then the
+    scripted user's next message."""
+    if turn is None:
+        return "*(no turn)*"
+    parts = [_cell(str(c["name"]) + "(" + str(c["arguments"]) + ")", 160) + " → "
+             + _cell(c["result"], 160) + (f" ({c['source']})" if c.get("source") else "")
+             for c in turn["calls"]]
+    if turn["text"] or not parts:
+        parts.append(("answer " if not parts else "") + _cell(turn["text"], 200))
+    if turn.get("user"):
+        parts.append(f"user: {_cell(turn['user'], 160)}")
+    return "<br>".join(parts)
+
+
+def _episode(item: dict[str, Any]) -> list[str]:
+    """Both sides' episodes turn by turn, the turn where they diverged marked."""
+    p, c = item["production"].get("episode"), item["candidate"].get("episode")
+    if p is None and c is None:
+        return []
+    p, c, at = p or [], c or [], item.get("diverged_at")
+    rows = [[f"**{k + 1} ← diverged**" if at == k + 1 else str(k + 1),
+             _turn(p[k] if k < len(p) else None), _turn(c[k] if k < len(c) else None)]
+            for k in range(max(len(p), len(c)))]
+    where = (f"the sides' calls first differ at turn {at}" if at is not None
+             else "the sides made the same calls")
+    return ["", f"{len(p)} production and {len(c)} candidate turns; {where}.", "",
+            *_table(["turn", "production", "candidate"], rows)]
+
+
 def _task(item: dict[str, Any]) -> list[str]:
     c, p = item["candidate"], item["production"]
+    episode = _episode(item)
+    reply = [] if episode else [["reply", _cell(p["reply"]), _cell(c["reply"])]]
     return ["", f"#### task {item['task_id'][:8]} — {', '.join(item['groups'])}", "",
             *_table(["", "production", "candidate"], [
                 ["success", f"{p['success']:.2f}", f"{c['success']:.2f}"],
                 ["verifier", p["reason"].replace("|", "\\|"), c["reason"].replace("|", "\\|")],
-                ["reply", _cell(p["reply"]), _cell(c["reply"])]])]
+                *reply]), *episode]
 
 
 def changes_markdown(record: dict[str, Any]) -> str:

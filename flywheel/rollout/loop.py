@@ -46,7 +46,7 @@ from typing import Any
 
 from flywheel.environments.base import Environment
 from flywheel.environments.prompt import task_messages, task_tools
-from flywheel.events import ScoredRollout, ToolStep, Turn
+from flywheel.events import TOOL_OUTPUT_CHARS, ScoredRollout, ToolStep, Turn
 from flywheel.policy.base import AdapterRef, Completion, Policy, PolicyError, SamplingParams
 from flywheel.policy.chat_format import ChatFormat
 from flywheel.tasks import AttemptFailure, EpisodeSpec, RolloutNotRun, TaskSpec, VerifierResult
@@ -184,7 +184,8 @@ async def _run_calls(env: Environment, session: str, reply: dict[str, Any],
             env.astep(session, call["function"]["name"], _arguments(call)),
             max(timeout, 0.001))
         if step.record is not None:
-            acted.steps.append(step.record)
+            acted.steps.append(step.record.model_copy(
+                update={"output": step.observation[:TOOL_OUTPUT_CHARS]}))
         if step.end:
             acted.ended = True
             break
