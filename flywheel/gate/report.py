@@ -46,9 +46,9 @@ def _turn(turn: dict[str, Any] | None) -> str:
 def _episode(item: dict[str, Any]) -> list[str]:
     """Both sides' episodes turn by turn, the turn where they diverged marked."""
     p, c = item["production"].get("episode"), item["candidate"].get("episode")
-    if p is None and c is None:
+    if p is None or c is None:  # a single step, or a side cached before episodes were kept
         return []
-    p, c, at = p or [], c or [], item.get("diverged_at")
+    at = item.get("diverged_at")
     rows = [[f"**{k + 1} ← diverged**" if at == k + 1 else str(k + 1),
              _turn(p[k] if k < len(p) else None), _turn(c[k] if k < len(c) else None)]
             for k in range(max(len(p), len(c)))]
