@@ -25,7 +25,8 @@ MAX_MIB=${GPU_BUNDLE_MAX_MIB:-60}
 # GPU tests, less torch/transformers/peft and what they bring (numpy, safetensors, jinja2,
 # tokenizers, huggingface-hub, pyyaml, …). tests/test_bundle_closure.py keeps it honest.
 PACKAGES=(pydantic pydantic-core annotated-types typing-inspection typing-extensions
-          pydantic-settings python-dotenv sqlalchemy greenlet pytest-asyncio)
+          sqlalchemy greenlet jsonschema jsonschema-specifications referencing rpds-py attrs
+          pytest-asyncio)
 
 die() { echo "gpu-bundle: $*" >&2; exit 1; }
 [ -x "$PY" ] || die "$PY not found: run \`make install\` first"

@@ -68,7 +68,7 @@ step "a random-init $SHAPE model for the tests (no weights can be brought here)"
 step "GPU tests and the bf16 CPU tests (no Postgres, no Kafka)"
 FLYWHEEL_TEST_MODEL_DIR="$WORK/model" "$PY" -m pytest -q -rs -p no:cacheprovider \
   tests/test_trainer_gpu.py tests/test_trainer_precision.py \
-  tests/test_policy_prefix_attention.py tests/test_policy_memory.py 2>&1 \
+  tests/test_policy_prefix_attention.py tests/test_policy_memory.py tests/test_policy_kv.py 2>&1 \
   | tee "$OUT/pytest.txt" | tail -25
 [ "${PIPESTATUS[0]}" = 0 ] || { echo "gpu-check: FAIL: tests failed (see $OUT/pytest.txt)"; fail=1; }
 
