@@ -53,6 +53,8 @@ for f in config.json generation_config.json tokenizer.json tokenizer_config.json
 done
 [ -f "$OUT/model/tokenizer.json" ] || die "no tokenizer in $model"
 
+{ git rev-parse HEAD 2>/dev/null || echo unknown; git status --porcelain 2>/dev/null | grep -q . \
+    && echo "(with uncommitted changes)"; } >"$OUT/COMMIT" || true
 mib=$(du -sm "$OUT" | cut -f1)
 [ "$mib" -le "$MAX_MIB" ] || die "$OUT is $mib MiB, over the $MAX_MIB MiB limit"
 echo "gpu-bundle: $OUT ($mib MiB, Python $PYV): $(ls "$OUT" | grep -c '\.whl$') wheels + model/"

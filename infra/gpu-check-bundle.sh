@@ -23,14 +23,15 @@ else
   "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' \
     || die "$PY's torch has no CUDA"
 fi
-{ "$PY" -c 'import sys, torch, transformers, peft, pytest
+"$PY" -c 'import sys, torch, transformers, peft, pytest
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
       "transformers", transformers.__version__, "peft", peft.__version__, "pytest", pytest.__version__)
 if torch.cuda.is_available():
-    print("gpu", torch.cuda.get_device_name(0), torch.cuda.mem_get_info())'
-  command -v nvidia-smi >/dev/null && nvidia-smi || true; git rev-parse HEAD 2>/dev/null; } \
+    print("gpu", torch.cuda.get_device_name(0), "free/total bytes", torch.cuda.mem_get_info())' \
   >"$OUT/env.txt" 2>&1 || die "torch, transformers, peft and pytest must be importable by $PY"
-cat "$OUT/env.txt" | head -3
+echo "bundle built from: $(cat "$BUNDLE/COMMIT" 2>/dev/null || echo unknown)" >>"$OUT/env.txt"
+{ command -v nvidia-smi >/dev/null && nvidia-smi; } >>"$OUT/env.txt" 2>&1 || true
+head -4 "$OUT/env.txt"
 
 step "installing $BUNDLE into $PY (--no-index; wheels of packages already there are skipped)"
 wheels=$("$PY" - "$BUNDLE" <<'EOF'

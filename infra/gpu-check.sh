@@ -10,7 +10,8 @@
 #    CPU's, bf16 against fp32, save/resume; the engine in bf16 on the GPU) and the bf16 CPU
 #    tests, without Postgres or Kafka, then `python -m flywheel.bench.gpu` (= `flywheel bench
 #    gpu`): one JSON of figures, SmolLM2-135M and the SmolLM2-1.7B shape, ≤ 6 min. The device
-#    command (the session's `run` tool; ~9 min of a 10-min call; carry `.gpu-bundle`, 12 MiB):
+#    command (a session's device `run` tool; ~7-8 min of a 10-min call; carry `.gpu-bundle`,
+#    13 MiB; build it first with `make gpu-bundle`, Python 3.12 wheels):
 #
 #      run(command="bash infra/gpu-check.sh --bundle .gpu-bundle --out \"$OUT\"",
 #          carry=[".gpu-bundle"], timeout_s=600)

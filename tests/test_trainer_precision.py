@@ -127,3 +127,30 @@ def test_micro_batch_is_the_setting_else_4_on_the_cpu(pair: tuple[LoRATrainer, L
     auto = _trainer(model_dir_for_tests(), "auto", micro_batch=None)
     assert auto.dtype == torch.float32  # auto on the CPU: the path as it was
     assert auto.micro_rows(430, 64) == 4
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(
+        pair: tuple[LoRATrainer, LoRATrainer]) -> None:
+    """Checkpointed layers run every sequence in full (they drop the cache the prompt cut
+    needs): the same GRPO gradient as the shared-prompt path, to fp32 rounding."""
+    fp32, _ = pair
+    model_dir = model_dir_for_tests()
+    torch.manual_seed(1)
+    ckpt = LoRATrainer(model_dir, lora=LoRASpec(r=4, alpha=8), grpo=GRPOConfig(kl_coef=0.05),
+                       lr=1e-3, micro_batch=3, device="cpu", precision="fp32",
+                       gradient_checkpointing=True,
+                       base_model=build_model(model_dir, "tiny", "cpu"))
+    with torch.no_grad():
+        theirs = dict(ckpt.named_trainable())
+        for name, p in fp32.named_trainable():
+            theirs[name].copy_(p)
+    samples = _samples(fp32)
+    for t in (fp32, ckpt):
+        t.model.train()
+        t.optimizer.zero_grad(set_to_none=True)
+    want, got = fp32.backward(samples), ckpt.backward(samples)
+    assert abs(got["loss"] - want["loss"]) <= 1e-5
+    for (name, a), b in zip(fp32.named_trainable(), ckpt.trainable(), strict=True):
+        assert a.grad is not None and b.grad is not None, name
+        assert float((a.grad - b.grad).norm() / a.grad.norm()) <= 1e-4, name
+    fp32.optimizer.zero_grad(set_to_none=True)
