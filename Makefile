@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 TEST_WORKERS ?= 2
 
-.PHONY: install lock browser demo test vllm test-vllm lint bench clean
+.PHONY: install lock browser demo test vllm test-vllm lint bench clean gpu-bundle
 
 install: $(STAMP)
 
@@ -58,6 +58,12 @@ vllm:
 # The tests against a real vLLM server (the session starts it: ~1 min on 2 cores).
 test-vllm: install vllm
 	$(PY) -m pytest -q -rs -m vllm
+
+# The wheel folder a bare GPU machine (torch, transformers, peft, pytest; no network) installs
+# Flywheel's GPU paths from: `infra/gpu-check.sh --bundle .gpu-bundle` runs there (its header
+# has the exact command). GPU_PYTHON_VERSION: the Python of that machine (3.12).
+gpu-bundle: install
+	PYTHON=$(PY) infra/gpu-bundle.sh
 
 bench: install
 	$(VENV)/bin/flywheel bench ingest --n 50000

@@ -158,10 +158,18 @@ class RolloutSettings(BaseModel):
     start once per decode step for the whole batch, not once per row
     (`flywheel.policy.prefix_attention`): the same softmax, rounded differently (off =
     bit for bit what `generate` samples). vLLM shares prefixes itself: ignored there."""
-    local_batch_rows: int = Field(default=32, ge=1)
+    local_batch_rows: int | None = Field(default=None, ge=1)
     """Most rows (sequences) in one forward pass of the local engine when concurrent
     requests share it; bounds the keys/values it holds at once (~45 KiB a token a row for
-    SmolLM2-135M)."""
+    SmolLM2-135M). Unset: 32 on the CPU; on a GPU what fits half of its free memory for
+    the batch's longest prompt + `max_tokens` (`flywheel.policy.memory.engine_rows`)."""
+    local_device: str = "auto"
+    """Device of the local engine: `auto` = the first GPU when there is one, else the CPU;
+    or e.g. `cpu`, `cuda:1`."""
+    local_precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Weights of the local engine: `auto` = bf16 on a CUDA GPU that supports it (the output
+    head, hence sampling log-probs, stays fp32: `flywheel.policy.precision`), fp32 on the
+    CPU; `fp32`; `bf16`."""
     rollout_timeout_s: float = 600.0
     """Per-rollout deadline: a straggler is typed `timeout` and excluded, never scored 0.
     Sized for multi-step groups on the CPU engine (a GPU finishes far sooner)."""
@@ -216,9 +224,22 @@ class TrainerSettings(BaseModel):
     dist_timeout_s: float = Field(default=1800.0, gt=0)
     """Under torchrun: the process group's timeout for one collective (a step, or an idle
     follower waiting; rank 0 pings its followers while idle, every sixth of it)."""
-    micro_batch: int = 4
+    micro_batch: int | None = Field(default=None, ge=1)
     """Completions of one prompt per forward/backward (memory bound); each prompt runs once
-    per step and the step is over the whole batch."""
+    per step and the step is over the whole batch. Unset: 4 on the CPU; on a GPU as many as
+    fit half of its free memory at that step (`flywheel.policy.memory.train_rows`, an upper
+    estimate of the activations)."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Weights the trainer computes with: `auto` = bf16 on a CUDA GPU that supports it (the
+    LoRA parameters, optimizer state, output head, log-probs, importance ratios and loss
+    stay fp32; TF32 for the fp32 products left), fp32 on the CPU; `fp32` everywhere (IEEE
+    fp32, no TF32: the reference); `bf16` also on the CPU (slow). See
+    `flywheel.policy.precision`."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward instead of keeping them (less
+    memory, ~⅓ more compute). The shared-prompt pass needs the keys/values cache that a
+    checkpointed layer drops, so every sequence then runs in full: for long sequences or
+    large micro-batches on a small GPU, not for speed."""
     lora_r: int = 16
     """LoRA rank."""
     lora_alpha: int = 32

@@ -18,19 +18,20 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import asyncpg
 import pytest
-from sqlalchemy.ext.asyncio import AsyncEngine
-
-from flywheel.config import DbSettings, KafkaSettings, Settings
-from flywheel.db import migrate
-from flywheel.db.engine import make_engine
-from flywheel.stack.broker import LocalBroker, free_port
-from flywheel.stack.postgres import LocalPostgres
 
 if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    from flywheel.config import Settings
     from flywheel.policy.base import Policy
+    from flywheel.stack.broker import LocalBroker
+    from flywheel.stack.postgres import LocalPostgres
     from tests.support.vllm_server import RealVLLM
+
+# The broker, Postgres and their clients are imported by the fixtures that start them, never
+# at collection: the GPU tests run on a bare machine that has none of them
+# (infra/gpu-check.sh installs only what the GPU code paths import).
 
 TEMPLATE_DB = "flywheel_template"
 
@@ -87,6 +88,8 @@ def services_dir() -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def broker(services_dir: Path) -> Iterator[LocalBroker]:
+    from flywheel.stack.broker import LocalBroker, free_port
+
     if os.environ.get("FLYWHEEL_TEST_KAFKA"):
         pytest.skip("external broker configured")  # pragma: no cover
     b = LocalBroker(free_port(), services_dir / "broker.log")
@@ -97,6 +100,9 @@ def broker(services_dir: Path) -> Iterator[LocalBroker]:
 
 @pytest.fixture(scope="session")
 def postgres(services_dir: Path) -> Iterator[LocalPostgres]:
+    from flywheel.stack.broker import free_port
+    from flywheel.stack.postgres import LocalPostgres
+
     pg = LocalPostgres(services_dir / "pg", free_port())
     pg.start()
     yield pg
@@ -111,6 +117,10 @@ def _pg_dsn(url: str, db: str) -> str:
 @pytest.fixture(scope="session")
 def template_db(postgres: LocalPostgres) -> str:
     import asyncio
+
+    import asyncpg
+
+    from flywheel.db import migrate
 
     async def make() -> None:
         conn = await asyncpg.connect(_pg_dsn(postgres.url, "postgres"))
@@ -129,6 +139,8 @@ def template_db(postgres: LocalPostgres) -> str:
 @pytest.fixture
 async def db_url(postgres: LocalPostgres, template_db: str) -> AsyncIterator[str]:
     """A fresh, migrated database for this test."""
+    import asyncpg
+
     name = f"t_{uuid.uuid4().hex[:12]}"
     conn = await asyncpg.connect(_pg_dsn(postgres.url, "postgres"))
     try:
@@ -147,6 +159,8 @@ def pg_dsn(db_url: str) -> str:
 @pytest.fixture
 async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
     """An async SQLAlchemy engine on this test's database."""
+    from flywheel.db.engine import make_engine
+
     e = make_engine(db_url)
     yield e
     await e.dispose()
@@ -154,6 +168,8 @@ async def engine(db_url: str) -> AsyncIterator[AsyncEngine]:
 
 @pytest.fixture
 def settings(broker: LocalBroker, db_url: str, tmp_path: Path) -> Settings:
+    from flywheel.config import DbSettings, KafkaSettings, Settings
+
     return Settings(
         home=tmp_path / "home",
         kafka=KafkaSettings(bootstrap=broker.bootstrap,
@@ -193,6 +209,7 @@ def vllm_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 async def local_engine() -> AsyncIterator[Policy]:
     """The in-process engine on the same model, to compare vLLM against."""
+    from flywheel.config import Settings
     from flywheel.policy.factory import make_policy
 
     policy = make_policy(Settings())
@@ -201,10 +218,11 @@ async def local_engine() -> AsyncIterator[Policy]:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    from tests.support.vllm_server import REPORT, report_lines
-
-    if not REPORT:
+    # Only a session that ran vLLM tests imported the module (and filled its REPORT).
+    server = sys.modules.get("tests.support.vllm_server")
+    if server is None or not server.REPORT:
         return
+    REPORT, report_lines = server.REPORT, server.report_lines
     terminalreporter.section("vLLM measurements (this machine, this run)")
     for line in report_lines():
         terminalreporter.write_line(line)

@@ -61,3 +61,41 @@ def test_share_blocker_accepts_plain_decoders_and_names_what_it_refuses() -> Non
     # Cohere scales its logits after the head: the head alone would sample other tokens.
     cohere = share_blocker(tiny(transformers.CohereConfig, logit_scale=0.25))
     assert cohere is not None and "output head" in cohere
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_decoding_in_place_samples_what_concatenating_does(temperature: float) -> None:
+    """The GPU's in-place cache (`kv.make_room`, room reserved once) against the CPU's
+    concatenation: two prompts of different lengths (left padding), rows compacted as units
+    end, the same tokens and log-probs (to fp32 rounding: the strided views may round
+    differently), and the cache is never copied whole once room is made."""
+    from flywheel.policy.base import SamplingParams
+    from flywheel.policy.kv import _RoomyLayer
+    from flywheel.policy.sampling import encode, sample_rows
+
+    model = tiny(transformers.LlamaConfig)
+    prompts = [encode(model, list(range(3, 15))), encode(model, list(range(5, 12)))]
+    rows = [prompts[0]] * 3 + [prompts[1]] * 3
+    params = SamplingParams(n=3, max_tokens=12, temperature=temperature)
+    out = {}
+    for in_place in (False, True):
+        units = [(0, 3, torch.Generator().manual_seed(1)), (3, 6, torch.Generator().manual_seed(2))]
+        with torch.no_grad():
+            out[in_place] = sample_rows(model, rows, params, eos_ids={63}, pad_id=0,
+                                        units=units, in_place=in_place)
+    assert torch.equal(out[False][0], out[True][0])
+    assert float((out[False][1] - out[True][1]).abs().max()) <= 1e-5
+
+    from flywheel.policy.kv import make_room
+
+    cache, _ = left_padded([[t.clone() for t in prompts[0].kv]])
+    make_room(cache, 4)
+    layer = cache.layers[0]
+    assert isinstance(layer, _RoomyLayer)
+    k = torch.ones(1, 2, 1, 16)
+    layer.update(k, k)
+    storage = layer.keys.untyped_storage().data_ptr()
+    for _ in range(3):  # within the room: written in place, same storage
+        layer.update(k, k)
+        assert layer.keys.untyped_storage().data_ptr() == storage
+    assert layer.keys.shape[-2] == 12 + 4 and bool((layer.keys[..., 12:, :] == 1).all())

@@ -67,7 +67,7 @@ def run_prefix_bench(*, batch: int = 4, group_size: int = 8, tokens: int = 32,
     def sft(shared: bool) -> Callable[[], Any]:
         def run() -> None:
             sft_backward(trainer.model, examples, pad_id=trainer.pad_id,
-                         micro_batch=t.micro_batch, share_prefix=shared)
+                         micro_batch=trainer.micro_rows(0, 0), share_prefix=shared)
             trainer.optimizer.zero_grad(set_to_none=True)
         return run
 

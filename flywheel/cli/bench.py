@@ -188,3 +188,15 @@ def bench_tools(
 
     print_result(run_tools_bench(calls=calls, episodes=episodes, in_flight=in_flight,
                                  sessions=sessions), as_json)
+
+
+@bench_app.command("gpu", context_settings={"allow_extra_args": True,
+                                           "ignore_unknown_options": True})
+def bench_gpu(ctx: typer.Context) -> None:
+    """The GPU path on random-init models of given shapes: engine tokens/s (1/16/64 groups in
+    flight) against `generate` and the memory/compute bounds, and the bf16 trainer step
+    against fp32; one JSON. Options: `python -m flywheel.bench.gpu --help` (the same command,
+    for a machine with only torch, transformers and peft: infra/gpu-check.sh)."""
+    from flywheel.bench.gpu import main
+
+    main(list(ctx.args))

@@ -26,7 +26,8 @@ def make_policy(settings: Settings) -> Policy:
 
     return LocalPolicy(resolve_model_dir(cfg.model_dir), policy_name=settings.policy,
                        prefix_cache_mb=cfg.prefix_cache_mb, chat_template=cfg.chat_template,
-                       max_rows=cfg.local_batch_rows,
+                       max_rows=cfg.local_batch_rows, device=cfg.local_device,
+                       precision=cfg.local_precision,
                        cores=CoreShare(cores, "policy") if cores else None,
                        prefix_attention=cfg.prefix_attention)
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 
 def cache_kwarg(module: Any) -> str:
@@ -81,3 +82,45 @@ def unshareable(model: Any) -> str | None:
     if base.get_output_embeddings() is None:
         return "it has no output head to apply to a prompt's last hidden state"
     return None
+
+
+class _RoomyLayer(DynamicLayer):  # type: ignore[no-untyped-call]
+    """A `DynamicLayer` whose keys/values are views into buffers with room to grow: a decode
+    step writes its position in place instead of concatenating (which copies the whole cache
+    every step: on a GPU, at 128 rows of ~500 tokens, more bytes a step than the weights).
+    Attention reads the same values either way; on a CPU, MKL may round the same product of
+    a strided and of a contiguous operand differently (~1e-7), so the CPU keeps `cat`."""
+
+    room: int = 0
+    _buffers: tuple[Tensor, Tensor] | None = None
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any,
+               **kwargs: Any) -> tuple[Tensor, Tensor]:
+        old_k, old_v = self.keys, self.values
+        if not self.is_initialized or old_k is None or old_v is None or old_k.numel() == 0:
+            return super().update(key_states, value_states, *args, **kwargs)
+        n, t = old_k.shape[-2], key_states.shape[-2]
+        held = self._buffers
+        if (held is None or n + t > held[0].shape[-2] or held[0].shape[0] != old_k.shape[0]
+                or held[0].untyped_storage().data_ptr() != old_k.untyped_storage().data_ptr()):
+            # First step, or the rows were compacted (new tensors): room for what is left.
+            size = n + max(t, self.room)
+            keys = old_k.new_empty(*old_k.shape[:-2], size, old_k.shape[-1])
+            values = old_v.new_empty(*old_v.shape[:-2], size, old_v.shape[-1])
+            keys[..., :n, :] = old_k
+            values[..., :n, :] = old_v
+            held = self._buffers = (keys, values)
+        held[0][..., n:n + t, :] = key_states
+        held[1][..., n:n + t, :] = value_states
+        self.keys, self.values = held[0][..., :n + t, :], held[1][..., :n + t, :]
+        return self.keys, self.values
+
+
+def make_room(cache: DynamicCache, positions: int) -> DynamicCache:
+    """Let every layer of `cache` grow by `positions` in place (`_RoomyLayer`), from the next
+    update on; its current keys/values are untouched."""
+    for layer in cache.layers:
+        if type(layer) is DynamicLayer or isinstance(layer, _RoomyLayer):
+            layer.__class__ = _RoomyLayer
+            layer.room = positions  # type: ignore[attr-defined]
+    return cache

@@ -20,6 +20,12 @@ it samples what it would alone. `share_prompts=False` samples through `generate`
 request, every row running its prompt in full: the reference the shared path is tested
 against.
 
+On a GPU (`device="auto"` finds one; the factory's default) the engine runs bf16 weights with
+an fp32 output head, so sampling log-probs are fp32 products (`flywheel.policy.precision`);
+a forward takes as many rows as half the free memory holds (`flywheel.policy.memory`), not a
+fixed 32; and each decode step writes its keys/values in place (`kv.make_room`). The CPU
+defaults, and what they sample, are unchanged.
+
 Import this module lazily: it imports torch, transformers and peft at module level.
 """
 
@@ -51,6 +57,9 @@ from flywheel.policy.batching import Batcher, Job, Results, early_settler
 from flywheel.policy.chat_format import ChatFormat, load_chat_format
 from flywheel.policy.cores import CoreShare, run_shared
 from flywheel.policy.logprobs import sequence_logprobs, token_logprobs
+from flywheel.policy.memory import ModelShape, engine_rows
+from flywheel.policy.precision import compute_dtype, to_low_precision
+from flywheel.policy.prefix_attention import MIN_SHARED
 from flywheel.policy.prefix_attention import enable as prefix_attention_on
 from flywheel.policy.prefix_cache import PrefixCache
 from flywheel.policy.sampling import (
@@ -98,13 +107,20 @@ class LocalPolicy:
     """The Policy protocol served in-process; adapters are PEFT LoRA directories."""
 
     def __init__(self, model_dir: Path, *, policy_name: str = "policy", device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, max_batch: int = 8,
+                 precision: str = "fp32", max_batch: int = 8,
                  prefix_cache_mb: float = 256.0, share_prompts: bool = True,
-                 chat_template: str = "auto", max_rows: int = 32,
-                 cores: CoreShare | None = None, prefix_attention: bool = True) -> None:
+                 chat_template: str = "auto", max_rows: int | None = None,
+                 cores: CoreShare | None = None, prefix_attention: bool = True,
+                 model: PreTrainedModel | None = None) -> None:
+        """`device` `auto` = the first GPU when there is one; `precision` as
+        `flywheel.policy.precision` says (`auto`: bf16 on CUDA with an fp32 head).
+        `max_rows` None: 32 on the CPU, sized by free memory on a GPU (`_row_limit`).
+        `model`: an fp32 causal LM already built (a random-init shape for benchmarks);
+        `model_dir` still names its tokenizer and chat template."""
         self.policy_name, self.max_batch = policy_name, max_batch
-        self.max_rows = max(max_rows, max_batch)
-        """Most rows in one forward pass when concurrent requests share it."""
+        self.max_rows = None if max_rows is None else max(max_rows, max_batch)
+        """Most rows in one forward pass when concurrent requests share it (None: sized per
+        batch by `_row_limit`)."""
         self.cores = cores
         """Every model operation runs at this process's share of the cores (None: torch's
         pool as it is)."""
@@ -112,7 +128,14 @@ class LocalPolicy:
         # Its own tokenizer: callers may render and parse while the worker thread decodes.
         self._chat_format = load_chat_format(model_dir, chat_template)
         self.tokenizer.padding_side = "left"
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+        place = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
+                             else "cpu" if device == "auto" else device)
+        self.dtype = compute_dtype(precision, place)
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                         local_files_only=True)
+        model = to_low_precision(model, self.dtype)
+        self.shape = ModelShape.of(model.config)
         eos = model.generation_config.eos_token_id
         eos = eos if eos is not None else self.tokenizer.eos_token_id
         self._eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos])
@@ -123,7 +146,7 @@ class LocalPolicy:
         model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
             bos_token_id=model.generation_config.bos_token_id,
             eos_token_id=sorted(self._eos_ids), pad_token_id=self._pad_id)
-        self.model: PreTrainedModel | PeftModel = model.to(device).eval()  # type: ignore[arg-type]
+        self.model: PreTrainedModel | PeftModel = model.to(place).eval()  # type: ignore[arg-type]
         self._adapter_paths: dict[str, Path] = {}
         """Every adapter name ever loaded → its directory; kept after retiring (immutability)."""
         self._loaded: set[str] = set()
@@ -297,15 +320,38 @@ class LocalPolicy:
         # Chunk k of a job continues its generator where chunk k-1 left it: by level.
         levels = max((len(c) for _, c in chunks.values()), default=0)
         with self._using(name), torch.no_grad():
+            limit = self.rows_per_forward([r for _, c in chunks.values() for u in c for r in u],
+                                          params.max_tokens)
             for level in range(levels):
                 units = [(i, gen, c[level]) for i, (gen, c) in chunks.items() if level < len(c)]
-                for group in _packed(units, self.max_rows):
+                for group in _packed(units, limit):
                     done = self._generate_shared(group, params, name, seen)
                     for (i, _, _), completions in zip(group, done, strict=True):
                         cast(list[Completion], results[i]).extend(completions)
                         if level == len(chunks[i][1]) - 1:  # its last chunk
                             tell(i, results[i])
         return results
+
+    def rows_per_forward(self, rows: Sequence[Sequence[int]], max_tokens: int) -> int:
+        """The most of `rows` (prompt ids) one forward takes: `_row_limit` for the longest
+        row + `max_tokens`, less the start they all share when shared-prefix attention
+        reads it once for the whole forward."""
+        shared = common_start(rows) if rows and self.prefix_attention else 0
+        if shared < MIN_SHARED:
+            shared = 0
+        return self._row_limit(max((len(r) for r in rows), default=1) - shared + max_tokens)
+
+    def _row_limit(self, tokens_per_row: int) -> int:
+        """Rows in one forward: the setting, else 32 on the CPU, else what half of the GPU's
+        free memory holds for rows of `tokens_per_row` (prompt + completion) each."""
+        if self.max_rows is not None:
+            return self.max_rows
+        device = next(self.model.parameters()).device
+        if device.type != "cuda":
+            return max(32, self.max_batch)
+        free, _ = torch.cuda.mem_get_info(device)
+        return engine_rows(free * 0.5, self.shape, tokens_per_row,
+                           dtype_bytes=torch.finfo(self.dtype).bits // 8, floor=self.max_batch)
 
     def _sample_alone(self, job: Job) -> list[Completion] | BaseException:
         """One job through `generate` (a model that cannot share prompts), seeded as ever."""

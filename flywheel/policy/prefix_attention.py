@@ -23,7 +23,8 @@ import it, and they are imported lazily themselves.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +63,14 @@ class SharedPrefix:
 def _attend(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
             scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """Unnormalised attention of `query` [..., T, D] on `key`/`value` [..., S, D]: the
-    output Σ e·v, the row max m and the sum Σ e, with e = exp(s − m)."""
+    output Σ e·v, the row max m and the sum Σ e, with e = exp(s − m); all fp32.
+
+    In fp32 whatever the inputs' dtype: SDPA's kernels keep scores, exponentials and sums in
+    fp32 and round only the output; done in bf16 here, the scores would be rounded (±0.4%
+    of a score of ~10 moves its weight by ~4%), the sum of hundreds of bf16 exponentials
+    loses their small terms, and the two parts' merge rounds twice — the 0.029 a bf16 probe
+    measured. An fp32 input is used as is (no copy): the fp32 path is unchanged."""
+    query, key, value = query.float(), key.float(), value.float()
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale
     if mask is not None:
         scores = (scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
@@ -107,8 +115,9 @@ def prefix_attention(module: Any, query: Tensor, key: Tensor, value: Tensor,
                             for t in (out_s, peak_s, sum_s))
     peak = torch.maximum(peak_p, peak_s)
     a, b = torch.exp(peak_p - peak), torch.exp(peak_s - peak)
-    out = (out_p * a + out_s * b) / (sum_p * a + sum_s * b)
-    return out.reshape(batch, heads, steps, dim).transpose(1, 2).contiguous(), None
+    out = (out_p * a + out_s * b) / (sum_p * a + sum_s * b)  # fp32: rounded once, below
+    return (out.reshape(batch, heads, steps, dim).transpose(1, 2).contiguous()
+            .to(query.dtype), None)
 
 
 def _register() -> None:
@@ -123,14 +132,22 @@ def active(model: Any) -> bool:
 
 def enable(model: Any) -> str | None:
     """Switch `model` to this attention and check it on a probe; None when on, else why
-    not (the model is left on SDPA)."""
+    not (the model is left on SDPA).
+
+    The probe runs in fp32 whatever the model's dtype (its 16-bit weights upcast for the
+    probe and restored bit for bit): it checks that the split computes the same function as
+    the plain step (within 1e-3; measured ≤ 1e-5), which rounding noise would blur in bf16
+    (two bf16 paths through 30 layers differ by ~1e-2 however right both are). The split's
+    own bf16 rounding is tested against exact attention (tests/test_policy_prefix_attention.py).
+    """
     _register()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if getattr(base.config, "_attn_implementation", None) not in ("sdpa", NAME):
         return f"its attention is {base.config._attn_implementation!r}, not SDPA"
     try:
         base.set_attn_implementation(NAME)
-        gap = _probe(model)
+        with _in_fp32(model):
+            gap = _probe(model)
     except Exception as err:  # an architecture that does not take the interface
         base.set_attn_implementation("sdpa")
         return f"it does not take a registered attention ({type(err).__name__}: {err})"
@@ -140,9 +157,26 @@ def enable(model: Any) -> str | None:
     return None
 
 
+@contextmanager
+def _in_fp32(model: Any) -> Iterator[None]:
+    """`model`'s 16-bit parameters and buffers in fp32 inside (exact both ways: every bf16
+    or fp16 value is an fp32 value)."""
+    low = [t for t in (*model.parameters(), *model.buffers())
+           if t.dtype in (torch.bfloat16, torch.float16)]
+    dtypes = [t.dtype for t in low]
+    try:
+        for t in low:
+            t.data = t.data.float()
+        yield
+    finally:
+        for t, dtype in zip(low, dtypes, strict=True):
+            t.data = t.data.to(dtype)
+
+
 def _probe(model: Any) -> float:
     """Largest logit difference between one decode step over a 12-token prompt split at 8
-    (prefix shared by two rows) and the plain step over the whole cache."""
+    (prefix shared by two rows) and the plain step over the whole cache, divided by the
+    largest plain logit when that exceeds 1."""
     device = next(model.parameters()).device
     ids = torch.arange(1, 13, device=device)[None]
     with torch.no_grad():
@@ -156,4 +190,5 @@ def _probe(model: Any) -> float:
         suffix, _ = left_padded([[t[:, :, 8:] for t in kv]] * 2)
         split = model(**step, **{cache_kwarg(model): suffix},
                       shared_prefix=SharedPrefix.of(kv, 8)).logits
-    return float((plain.float() - split.float()).abs().max())
+    scale = max(1.0, float(plain.float().abs().max()))
+    return float((plain.float() - split.float()).abs().max()) / scale

@@ -34,7 +34,14 @@ from transformers import (
 
 from flywheel.policy import prefix_attention
 from flywheel.policy.base import SamplingParams
-from flywheel.policy.kv import cache_kwarg, cache_tensors, kv_cache, left_padded, unshareable
+from flywheel.policy.kv import (
+    cache_kwarg,
+    cache_tensors,
+    kv_cache,
+    left_padded,
+    make_room,
+    unshareable,
+)
 from flywheel.policy.logprobs import token_logprobs
 from flywheel.policy.prefix_cache import PrefixCache
 
@@ -179,7 +186,8 @@ def common_start(rows: Sequence[Sequence[int]]) -> int:
 def sample_rows(model: Any, rows: Sequence[PromptKV], params: SamplingParams, *,
                 eos_ids: set[int], pad_id: int,
                 stop: Callable[[Tensor], Tensor] | None = None,
-                units: Sequence[Unit] | None = None, shared: int = 0) -> tuple[Tensor, Tensor]:
+                units: Sequence[Unit] | None = None, shared: int = 0,
+                in_place: bool | None = None) -> tuple[Tensor, Tensor]:
     """Up to `params.max_tokens` tokens after each row's prompt: tokens [B, T] (padding after
     a row's end) and their sampling log-probs [B, T], T ≤ max_tokens.
 
@@ -189,7 +197,9 @@ def sample_rows(model: Any, rows: Sequence[PromptKV], params: SamplingParams, *,
     `shared`: the first positions every row's prompt has in common; with the model on
     `prefix_attention` (and enough of them and of rows) their keys/values are read once per
     step for the whole batch instead of once per row. With units, a unit whose rows have all
-    ended leaves the forward (`_compact`). Call under `torch.no_grad()`.
+    ended leaves the forward (`_compact`). `in_place` (None: on a GPU) writes each step's
+    keys/values into room reserved for `max_tokens` (`kv.make_room`) instead of copying the
+    cache every step. Call under `torch.no_grad()`.
     """
     batch, device = len(rows), rows[0].hidden.device
     if params.max_tokens <= 0:
@@ -204,6 +214,8 @@ def sample_rows(model: Any, rows: Sequence[PromptKV], params: SamplingParams, *,
         cache, mask = left_padded([suffix[id(r)] for r in rows])
     else:
         cache, mask = left_padded([r.kv for r in rows])
+    if in_place if in_place is not None else device.type == "cuda":
+        make_room(cache, params.max_tokens)
     positions = torch.tensor([r.length for r in rows], device=device)  # next position per row
     eos = torch.tensor(sorted(eos_ids), device=device)
     warpers, sampling = _processors(params), params.temperature > 0

@@ -135,6 +135,7 @@ class Leader:
         trainer.ranks = ranks
         self._run(("init", trainer.spec(), trainer.grpo, trainer.lr, trainer.grad_clip,
                    trainer.micro_batch, str(trainer.model_dir), trainer.chat_template,
+                   trainer.precision, trainer.gradient_checkpointing,
                    [(n, tuple(p.shape)) for n, p in trainer.named_trainable()]),
                   lambda: _sync_state(trainer, 0))
         log.info("data-parallel trainer: %d ranks, %s on rank 0", ranks.size, ranks.device)
@@ -193,9 +194,11 @@ def follow(ranks: Ranks) -> None:
         return
     if first[0] != "init":
         raise RuntimeError(f"rank {ranks.rank}: expected init from rank 0, got {first[0]!r}")
-    _, spec, grpo, lr, grad_clip, micro_batch, model_dir, chat_template, shapes = first
+    (_, spec, grpo, lr, grad_clip, micro_batch, model_dir, chat_template, precision,
+     checkpointing, shapes) = first
     trainer = LoRATrainer(Path(model_dir), lora=spec, grpo=grpo, lr=lr, grad_clip=grad_clip,
                           micro_batch=micro_batch, device=str(ranks.device),
+                          precision=precision, gradient_checkpointing=checkpointing,
                           chat_template=chat_template)
     mine = [(n, tuple(p.shape)) for n, p in trainer.named_trainable()]
     if mine != shapes:

@@ -28,6 +28,8 @@ from flywheel.events import GroupScoredPayload
 from flywheel.mining.demos import Demonstration
 from flywheel.policy.chat_format import ChatFormat, load_chat_format
 from flywheel.policy.logprobs import token_logprobs
+from flywheel.policy.memory import ModelShape, train_rows
+from flywheel.policy.precision import allow_tf32, compute_dtype, to_low_precision
 from flywheel.trainer.grpo import GRPOConfig, group_advantages, grpo_loss, pad_batch
 from flywheel.trainer.prefix import (
     EncodedPrompt,
@@ -108,15 +110,45 @@ _Pair = tuple[EncodedPrompt, EncodedPrompt | None]
 
 
 class LoRATrainer:
+    """The adapter being trained on one device (see the module docstring).
+
+    On a CUDA GPU (`precision="auto"`) the base weights are bf16 and the computation runs on
+    the tensor cores, while everything that accumulates or compares stays fp32: the LoRA
+    parameters and AdamW's moments (peft keeps an adapter fp32 over a bf16 base), the
+    output head (`flywheel.policy.precision.Fp32Head`: logits, hence log-probs, from an fp32
+    product), the log-probs (`token_logprobs`), importance ratios and the GRPO loss
+    (`grpo_loss` upcasts). TF32 is allowed for the fp32 products left (LoRA). On the CPU
+    nothing changes: fp32 throughout, `micro_batch` 4.
+
+    `micro_batch` None sizes micro-batches from the GPU's free memory at every step
+    (`flywheel.policy.memory.train_rows`, half of what is free); 4 on the CPU.
+    `gradient_checkpointing` recomputes each layer in the backward instead of keeping its
+    activations; the shared-prompt cut needs the keys/values cache, which a checkpointed
+    layer drops, so every sequence then runs in full. `base_model`: an fp32 causal LM
+    already built (a random-init shape for benchmarks); `model_dir` still names its
+    tokenizer and chat template.
+    """
+
     def __init__(self, model_dir: Path, *, lora: LoRASpec, grpo: GRPOConfig, lr: float,
-                 grad_clip: float = 1.0, micro_batch: int = 4,
+                 grad_clip: float = 1.0, micro_batch: int | None = None,
                  resume_from: Path | None = None, device: str = "auto",
-                 chat_template: str = "auto") -> None:
-        # One GPU when there is one (`auto`); the LoRA parameters and the loss stay fp32.
+                 chat_template: str = "auto", precision: str = "auto",
+                 gradient_checkpointing: bool = False, base_model: Any = None) -> None:
         self.device = rank_device(device, 0)
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        base.to(self.device)  # type: ignore[arg-type]  # transformers types .to() narrowly
+        self.precision = precision
+        self.dtype = compute_dtype(precision, self.device)
+        base = base_model if base_model is not None else AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32)
+        base = to_low_precision(base, self.dtype)
+        if self.dtype != torch.float32:
+            allow_tf32(self.device)
+        base.to(self.device)
+        self.shape = ModelShape.of(base.config)
         self.pad_id = int(base.config.pad_token_id or base.config.eos_token_id or 0)
+        self.gradient_checkpointing = gradient_checkpointing
+        if gradient_checkpointing:
+            base.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model: Any
         if resume_from is not None:
             self.model = PeftModel.from_pretrained(base, resume_from, is_trainable=True)
@@ -140,6 +172,19 @@ class LoRATrainer:
             self.optimizer.load_state_dict(state["optimizer"])
             self.steps = int(state["steps"])
 
+    def micro_rows(self, prompt_tokens: int, completion_tokens: int) -> int:
+        """Completions per forward/backward: the setting, else 4 on the CPU, else what fits
+        half of the GPU's free memory now (`train_rows`)."""
+        if self.micro_batch is not None:
+            return self.micro_batch
+        if self.device.type != "cuda":
+            return 4
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return train_rows(free * 0.5, self.shape, prompt_tokens=prompt_tokens,
+                          completion_tokens=completion_tokens,
+                          dtype_bytes=torch.finfo(self.dtype).bits // 8,
+                          checkpointing=self.gradient_checkpointing)
+
     def named_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
@@ -158,7 +203,8 @@ class LoRATrainer:
         b = {k: v.to(self.device) for k, v in b.items()}
         position_ids = (b["attn"].cumsum(-1) - 1).clamp(min=0)
         logits = self.model(input_ids=b["ids"], attention_mask=b["attn"],
-                            position_ids=position_ids, logits_to_keep=keep + 1).logits
+                            position_ids=position_ids, logits_to_keep=keep + 1,
+                            use_cache=False).logits
         # logits[:, j] predicts token at column width - keep - 1 + j + 1.
         return token_logprobs(logits[:, :-1], b["ids"][:, -keep:], temperature)
 
@@ -208,6 +254,9 @@ class LoRATrainer:
         sums: dict[str, float] = {}
         if not samples:
             return sums
+        share_prompts = share_prompts and not self.gradient_checkpointing
+        rows = self.micro_rows(max(len(s.prompt_ids) for s in samples),
+                               max(len(s.completion_ids) for s in samples))
 
         def add(logp: torch.Tensor, ref: torch.Tensor | None, old: torch.Tensor,
                 mask: torch.Tensor, chunk: Sequence[Sample]) -> None:
@@ -228,8 +277,8 @@ class LoRATrainer:
                     sums[k] = sums.get(k, 0.0) + float(v) * weight
 
         if not share_prompts:  # every prompt + completion in full: the reference path
-            for i in range(0, len(samples), self.micro_batch):
-                chunk = samples[i:i + self.micro_batch]
+            for i in range(0, len(samples), rows):
+                chunk = samples[i:i + rows]
                 b = _batch(chunk, self.pad_id)
                 logp = self._logps(b, chunk[0].temperature)
                 ref = None
@@ -243,7 +292,7 @@ class LoRATrainer:
         n = shared_prefix_len(prompts)
         root = self._encode(prompts[0][:n], None) if n else None
         for ix in sets:
-            self._prompt_group([samples[i] for i in ix], root, add)
+            self._prompt_group([samples[i] for i in ix], root, add, rows)
         if root is not None:
             backward_prompt(root[0])
         return sums
@@ -257,13 +306,14 @@ class LoRATrainer:
             return policy, encode_prompt(self.model, ids,
                                          None if parent is None else parent[1])
 
-    def _prompt_group(self, group: Sequence[Sample], root: _Pair | None, add: _Add) -> None:
+    def _prompt_group(self, group: Sequence[Sample], root: _Pair | None, add: _Add,
+                      rows: int) -> None:
         """Every sample of `group` (one prompt, one temperature) through `add`, prompt once."""
         temperature = group[0].temperature
         policy, ref_prompt = self._encode(
             group[0].prompt_ids[0 if root is None else root[0].length:], root)
-        for i in range(0, len(group), self.micro_batch):
-            chunk = group[i:i + self.micro_batch]
+        for i in range(0, len(group), rows):
+            chunk = group[i:i + rows]
             completions = [s.completion_ids for s in chunk]
             logp = completion_logps(self.model, policy, completions, self.pad_id, temperature)
             ref = None
@@ -296,9 +346,12 @@ class LoRATrainer:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
         try:
+            longest = max((len(e.input_ids) for e in examples), default=1)
+            target = max((e.target_len for e in examples), default=1)
             metrics = sft_step(self.model, self.optimizer, examples, pad_id=self.pad_id,
-                               micro_batch=self.micro_batch, grad_clip=self.grad_clip,
-                               share_prefix=True, ranks=self.ranks)
+                               micro_batch=self.micro_rows(longest - target, target),
+                               grad_clip=self.grad_clip,
+                               share_prefix=not self.gradient_checkpointing, ranks=self.ranks)
         finally:
             for g, old in zip(self.optimizer.param_groups, saved, strict=True):
                 g["lr"] = old

@@ -158,7 +158,8 @@ class TrainerService:
         self.trainer = await asyncio.to_thread(
             LoRATrainer, self.model_dir, lora=LoRASpec(r=t.lora_r, alpha=t.lora_alpha),
             grpo=grpo_config(self.settings), lr=t.lr, grad_clip=t.grad_clip,
-            micro_batch=t.micro_batch, resume_from=resume,
+            micro_batch=t.micro_batch, resume_from=resume, precision=t.precision,
+            gradient_checkpointing=t.gradient_checkpointing,
             device=t.device if self.ranks is None else str(self.ranks.device),
             chat_template=self.settings.rollout.chat_template)
         if self.ranks is not None:
