@@ -26,7 +26,7 @@ MAX_MIB=${GPU_BUNDLE_MAX_MIB:-60}
 # tokenizers, huggingface-hub, pyyaml, …). tests/test_bundle_closure.py keeps it honest.
 PACKAGES=(pydantic pydantic-core annotated-types typing-inspection typing-extensions
           sqlalchemy greenlet jsonschema jsonschema-specifications referencing rpds-py attrs
-          pytest-asyncio)
+          llguidance pytest-asyncio)
 
 die() { echo "gpu-bundle: $*" >&2; exit 1; }
 [ -x "$PY" ] || die "$PY not found: run \`make install\` first"
@@ -44,7 +44,7 @@ for name in "${PACKAGES[@]}"; do
 done
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" \
   --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux_2_28_x86_64 -d "$OUT" "${pins[@]}"
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 -d "$OUT" "${pins[@]}"
 
 model=$("$PY" -c 'from flywheel.policy.model_cache import resolve_model_dir as r; print(r(None))')
 for f in config.json generation_config.json tokenizer.json tokenizer_config.json \

@@ -11,7 +11,7 @@
 #    tests, without Postgres or Kafka, then `python -m flywheel.bench.gpu` (= `flywheel bench
 #    gpu`): one JSON of figures, SmolLM2-135M and the SmolLM2-1.7B shape, ≤ 6 min. The device
 #    command (a session's device `run` tool; ~7-8 min of a 10-min call; carry `.gpu-bundle`,
-#    13 MiB; build it first with `make gpu-bundle`, Python 3.12 wheels):
+#    16 MiB; build it first with `make gpu-bundle`, Python 3.12 wheels):
 #
 #      run(command="bash infra/gpu-check.sh --bundle .gpu-bundle --out \"$OUT\"",
 #          carry=[".gpu-bundle"], timeout_s=600)

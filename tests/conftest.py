@@ -47,9 +47,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 HEAVY_FIRST = (
-    "test_trainer.py", "test_trainer_sft_warm_start.py", "test_policy_shared.py",
-    "test_runtime_acked.py", "test_runtime_drain.py", "test_runtime_heal.py",
-    "test_otel_e2e.py", "test_bench_trainer.py", "test_rollout_local.py",
+    "test_policy_grammar.py", "test_trainer.py", "test_trainer_sft_warm_start.py",
+    "test_policy_shared.py", "test_runtime_acked.py", "test_runtime_drain.py",
+    "test_runtime_heal.py", "test_otel_e2e.py", "test_bench_trainer.py", "test_rollout_local.py",
     "test_api_served_equals_gated.py", "test_gate_concurrent.py", "test_rollout_workers.py",
     "test_trainer_prefix.py", "test_policy_local.py", "test_runtime_stack.py",
     "test_producers_confirm.py", "test_gate_e2e.py", "test_tools_sessions.py",

@@ -184,11 +184,20 @@ def test_decoding_per_tool_choice(fmt: ChatFormat) -> None:
     assert not decoding(fmt, USER, None, "none", parallel=True).parse_calls
     single = decoding(fmt, USER, tools, "auto", parallel=False)
     assert (single.stop, single.max_calls) == (("</tool_call>",), 1)
+    assert auto.grammar is None and single.grammar is None  # auto: the gate's, unconstrained
     required = decoding(fmt, USER, tools, "required", parallel=True)
     assert required.prefill == '<tool_call>\n{"name": "' and required.stop == ()
+    # the rest under the grammar: an offered name, its arguments' schema, more calls or the end
+    assert required.grammar is not None and required.max_calls is None
+    assert '"get_weather\\", \\"arguments\\": "' in required.grammar
+    assert '"send_email\\", \\"arguments\\": "' in required.grammar
+    assert "(\"\\n\" call)*" in required.grammar
+    one = decoding(fmt, USER, tools, "required", parallel=False)
+    assert one.max_calls == 1 and "call)*" not in (one.grammar or "")
     named = decoding(fmt, USER, tools, "function:get_weather", parallel=True)
     assert named.prefill.endswith('"get_weather", "arguments":') and named.max_calls == 1
-    assert named.stop == ("</tool_call>",)
+    # the grammar ends the turn after the one call: no stop string needed
+    assert named.stop == () and named.grammar is not None and "send_email" not in named.grammar
 
 
 def _answer(fmt: ChatFormat, choice: str, text: str, *, parallel: bool = True,
@@ -288,3 +297,15 @@ def test_stream_chunks_assemble_the_answer() -> None:
             ] == calls
     text = "".join(events(response, include_usage=False))
     assert text.endswith("data: [DONE]\n\n") and '"usage"' not in text
+
+
+def test_a_cut_parallel_answer_keeps_its_complete_calls(fmt: ChatFormat) -> None:
+    """Under the grammar every closed call is well-formed: cut by `max_tokens` inside a later
+    call, the complete ones are the answer (`finish_reason` still `length`)."""
+    text = ('get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro')
+    message, finish = _answer(fmt, "required", text, finish="length")
+    assert finish == "length" and _calls(message) == [("get_weather", {"city": "Rome"})]
+    message, finish = _answer(fmt, "required", 'get_weather", "arguments": {"ci',
+                              finish="length")
+    assert finish == "length" and "tool_calls" not in message  # no call was finished

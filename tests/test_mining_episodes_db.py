@@ -44,11 +44,8 @@ async def _mine(db_url: str, records: list[dict[str, Any]]) -> MineStats:
         await engine.dispose()
 
 
-async def test_a_failed_episode_is_stored_as_an_episode_task_and_deduplicated(
-        db_url: str) -> None:
-    failed = _record(WRONG_FIRST_TURN, corrected=WHOLE_PATH)
-    before = await _mine(db_url, [failed])  # no toolset registered yet: a single step
-    assert before.episodes == 0
+async def _register_workplace(db_url: str) -> None:
+    """The workplace example registered as a toolset, as `flywheel tools add` does."""
     engine = make_engine(db_url)
     try:
         async with engine.begin() as conn:
@@ -56,6 +53,14 @@ async def test_a_failed_episode_is_stored_as_an_episode_task_and_deduplicated(
                            actor="test", topics=TOPICS)
     finally:
         await engine.dispose()
+
+
+async def test_a_failed_episode_is_stored_as_an_episode_task_and_deduplicated(
+        db_url: str) -> None:
+    failed = _record(WRONG_FIRST_TURN, corrected=WHOLE_PATH)
+    before = await _mine(db_url, [failed])  # no toolset registered yet: a single step
+    assert before.episodes == 0
+    await _register_workplace(db_url)
     again = [copy.deepcopy(failed), copy.deepcopy(failed)]
     for r in again:
         r["trajectory_id"] = str(uuid.uuid4())
@@ -82,13 +87,7 @@ async def test_a_failed_episode_is_stored_as_an_episode_task_and_deduplicated(
 
 async def test_a_logged_episode_success_is_read_as_demonstrations_turn_by_turn(
         db_url: str) -> None:
-    engine = make_engine(db_url)
-    try:
-        async with engine.begin() as conn:
-            await register(conn, await registered("workplace", PythonClass(target=WORKPLACE)),
-                           actor="test", topics=TOPICS)
-    finally:
-        await engine.dispose()
+    await _register_workplace(db_url)
     items = [_say("user", ASK), *WHOLE_PATH[:2], _say("assistant", "Closed."),
              _say("user", THEN), *WHOLE_PATH[2:4], _say("assistant", "Told Ana.")]
     await _mine(db_url, [_record(items, status="success")])

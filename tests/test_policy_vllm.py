@@ -41,6 +41,7 @@ from flywheel.policy.vllm import (
     VLLMError,
     VLLMPolicy,
     api_messages,
+    chat_body,
     is_retryable,
     served_versions,
 )
@@ -750,3 +751,13 @@ async def test_a_models_own_template_rendered_otherwise_is_only_warned_about(
                                                             tools=[WEATHER])
     assert c.prompt_token_ids[:7] == [ord(ch) for ch in "<tools>"]
     assert "renders prompts differently" in caplog.text
+
+
+def test_a_grammar_goes_as_vllms_structured_output() -> None:
+    """`tool_choice` required/named: the continuation of the prefill under the call grammar."""
+    body = chat_body(MESSAGES, SamplingParams(n=1, prefill="<tool_call>", grammar="start: x"),
+                     "m", [{"type": "function", "function": {"name": "f"}}])
+    assert body["structured_outputs"] == {"grammar": "start: x"}
+    assert body["messages"][-1] == {"role": "assistant", "content": "<tool_call>"}
+    assert body["tool_choice"] == "none"  # vLLM's own tool parsing stays out of it
+    assert "structured_outputs" not in chat_body(MESSAGES, SamplingParams(n=1), "m")

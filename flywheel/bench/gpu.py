@@ -234,7 +234,8 @@ def run_engine(model_dir: Path, shape: str, device: str, w: Workload, out: _Resu
     seconds = time.perf_counter() - started
     tokens = int(new.shape[0]) * (int(new.shape[1]) - width)
     gen = {"rows": len(rows), "tokens": tokens, "seconds": round(seconds, 3),
-           "tokens_per_s": round(tokens / seconds, 1)}
+           "tokens_per_s": round(tokens / seconds, 1),
+           "dtype": str(next(model.parameters()).dtype)}  # the engine's: same weights
     out.put("generate", gen)
     from flywheel.policy.memory import ModelShape
 
@@ -256,15 +257,14 @@ def run_engine(model_dir: Path, shape: str, device: str, w: Workload, out: _Resu
 
 
 def run_trainer(model_dir: Path, shape: str, device: str, w: Workload, out: _Results) -> None:
-    import statistics
+    import contextlib
     import uuid
 
     import torch
 
     from flywheel.events import GroupScoredPayload, ScoredRollout, Turn
     from flywheel.policy.chat_format import load_chat_format
-    from flywheel.trainer.engine import LoRASpec, LoRATrainer
-    from flywheel.trainer.grpo import GRPOConfig
+    from flywheel.policy.precision import ieee_fp32
 
     fmt = load_chat_format(model_dir)
     from transformers import AutoTokenizer
@@ -290,28 +290,43 @@ def run_trainer(model_dir: Path, shape: str, device: str, w: Workload, out: _Res
     variants = {"defaults": ("auto", None), "fp32_micro_batch_4": ("fp32", 4)}
     times: dict[str, float] = {}
     for name, (precision, micro) in variants.items():
-        trainer = LoRATrainer(model_dir, lora=LoRASpec(), grpo=GRPOConfig(), lr=1e-5,
-                              device=device, precision=precision, micro_batch=micro,
-                              base_model=build_model(model_dir, shape, device))
-        trainer.step(groups)  # warm-up
-        seconds = []
-        for _ in range(w.steps):
-            _sync(trainer.device)
-            started = time.perf_counter()
-            metrics = trainer.step(groups)
-            _sync(trainer.device)
-            seconds.append(time.perf_counter() - started)
-        times[name] = statistics.median(seconds)
-        out.put(f"trainer_{name}", {
-            "step_s": round(times[name], 4), "steps": w.steps, "dtype": str(trainer.dtype),
-            "micro_batch": trainer.micro_rows(len(groups[0].rollouts[0].turns[0]
-                                                  .prompt_token_ids), w.max_tokens),
-            "samples": metrics["samples"], "loss": metrics.get("loss")})
-        del trainer
+        # the bf16 run allows TF32 for the whole process: the fp32 baseline runs in IEEE fp32,
+        # as the trainer did before (and as the issue's figures were measured)
+        with ieee_fp32() if precision == "fp32" else contextlib.nullcontext():
+            times[name] = _time_trainer(out, name, model_dir, shape, device, precision, micro,
+                                        groups, w)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     out.put("trainer_defaults_over_fp32", round(times["fp32_micro_batch_4"]
                                                 / times["defaults"], 3))
+
+
+def _time_trainer(out: _Results, name: str, model_dir: Path, shape: str, device: str,
+                  precision: str, micro: int | None, groups: list[Any], w: Workload) -> float:
+    """The median step of a fresh trainer (after a warm-up step), reported under `name`."""
+    import statistics
+
+    from flywheel.trainer.engine import LoRASpec, LoRATrainer
+    from flywheel.trainer.grpo import GRPOConfig
+
+    trainer = LoRATrainer(model_dir, lora=LoRASpec(), grpo=GRPOConfig(), lr=1e-5,
+                          device=device, precision=precision, micro_batch=micro,
+                          base_model=build_model(model_dir, shape, device))
+    trainer.step(groups)  # warm-up
+    seconds = []
+    for _ in range(w.steps):
+        _sync(trainer.device)
+        started = time.perf_counter()
+        metrics = trainer.step(groups)
+        _sync(trainer.device)
+        seconds.append(time.perf_counter() - started)
+    median = statistics.median(seconds)
+    out.put(f"trainer_{name}", {
+        "step_s": round(median, 4), "steps": w.steps, "dtype": str(trainer.dtype),
+        "micro_batch": trainer.micro_rows(len(groups[0].rollouts[0].turns[0]
+                                              .prompt_token_ids), w.max_tokens),
+        "samples": metrics["samples"], "loss": metrics.get("loss")})
+    return median
 
 
 PARTS = {"engine": run_engine, "trainer": run_trainer}

@@ -200,3 +200,23 @@ def bench_gpu(ctx: typer.Context) -> None:
     from flywheel.bench.gpu import main
 
     main(list(ctx.args))
+
+
+@bench_app.command("grammar")
+def bench_grammar(
+    requests: Annotated[int, typer.Option(help="B: requests (the demo's tool_call tasks).")] = 8,
+    group_size: Annotated[int, typer.Option(help="G: rows per request.")] = 4,
+    max_tokens: Annotated[int, typer.Option(help="Token limit per row.")] = 64,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (0: greedy).")] = 1.0,
+    repeats: Annotated[int, typer.Option(help="Timed runs per side (best counts).")] = 2,
+    as_json: JsonOpt = False,
+) -> None:
+    """`tool_choice: required` on the local engine: tokens/s under the call grammar vs the
+    same requests without it, and how many rows answered with a valid call on each side."""
+    from flywheel.bench.grammar import run_grammar_bench
+
+    if min(requests, group_size, max_tokens, repeats) < 1:
+        fail("--requests, --group-size, --max-tokens and --repeats must be ≥ 1")
+    print_result(run_grammar_bench(requests=requests, group_size=group_size,
+                                   max_tokens=max_tokens, temperature=temperature,
+                                   repeats=repeats), as_json)

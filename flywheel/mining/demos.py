@@ -53,7 +53,6 @@ from flywheel.mining.episode_demos import (
 from flywheel.mining.verify import assistant_message
 from flywheel.tasks import EpisodeSpec, ExpectedCall, TaskSpec, ToolCallSpec
 from flywheel.tools.descriptors import Registration
-from flywheel.tools.registry import registrations
 from flywheel.trajectory import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -278,6 +277,10 @@ async def _train_task_candidates(conn: AsyncConnection) -> list[Candidate]:
 
 
 async def _success_candidates(conn: AsyncConnection) -> list[Candidate]:
+    # Here, not at the top: the trainer imports this module for `Demonstration`, and the
+    # registry brings the settings and the tool runtime, which a bare GPU machine lacks.
+    from flywheel.tools.registry import registrations
+
     out = []
     toolsets = await registrations(conn)
     for _id, record in (await conn.execute(_SUCCESSES)).all():

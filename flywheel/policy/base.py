@@ -55,6 +55,13 @@ class SamplingParams:
     of the prompt (and of `prompt_token_ids`), not of the completion. Only serving uses one,
     for `tool_choice` "required" or a named function (`flywheel.policy.tool_choice`); rollouts
     and the gate never do."""
+    grammar: str | None = None
+    """A grammar the completion (what follows the prefill) must match, in llguidance's Lark
+    dialect; it ends the turn where the grammar ends (`flywheel.policy.call_grammar`). Only
+    serving's `tool_choice` "required" or a named function sets one; rollouts and the gate
+    sample unconstrained. The local engine masks the logits of these rows only, and their
+    `logprobs` are those of the masked distribution sampled from; vLLM applies it as a
+    structured output."""
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,8 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
     PreTrainedModel,
     StoppingCriteria,
     StoppingCriteriaList,
@@ -56,6 +58,7 @@ from flywheel.policy.base import AdapterRef, Completion, PolicyError, SamplingPa
 from flywheel.policy.batching import Batcher, Job, Results, early_settler
 from flywheel.policy.chat_format import ChatFormat, load_chat_format
 from flywheel.policy.cores import CoreShare, run_shared
+from flywheel.policy.grammar_masks import Grammars, RowMasks
 from flywheel.policy.logprobs import sequence_logprobs, token_logprobs
 from flywheel.policy.memory import ModelShape, engine_rows
 from flywheel.policy.precision import compute_dtype, to_low_precision
@@ -103,6 +106,30 @@ class _StopWatch(StoppingCriteria):
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
 
 
+class _GrammarMask(LogitsProcessor):
+    """`generate`'s side of `RowMasks`: each step feeds every row's matcher the token it drew
+    and masks the logits; keeps each step's mask so the log-probs are the masked ones."""
+
+    def __init__(self, masks: RowMasks, prompt_width: int, eos: torch.Tensor) -> None:
+        self.masks, self.width, self.eos = masks, prompt_width, eos
+        self.steps: list[torch.Tensor] = []
+        """Per step, where the grammar blocked a row: [B, V] bool."""
+        self._running: torch.Tensor | None = None
+        """Rows that have not drawn an end-of-turn token yet."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor
+                 ) -> torch.FloatTensor:
+        if self._running is None:
+            self._running = torch.ones(scores.shape[0], dtype=torch.bool, device=scores.device)
+        elif input_ids.shape[1] > self.width:  # feed the token each row drew last step
+            self.masks.advance(input_ids[:, -1], self._running)
+            self._running &= ~torch.isin(input_ids[:, -1], self.eos)
+        rows = torch.arange(scores.shape[0], device=scores.device)
+        masked = self.masks.mask(scores, rows, self._running)
+        self.steps.append(torch.isneginf(masked) & ~torch.isneginf(scores))
+        return cast(torch.FloatTensor, masked)
+
+
 class LocalPolicy:
     """The Policy protocol served in-process; adapters are PEFT LoRA directories."""
 
@@ -147,6 +174,8 @@ class LocalPolicy:
             bos_token_id=model.generation_config.bos_token_id,
             eos_token_id=sorted(self._eos_ids), pad_token_id=self._pad_id)
         self.model: PreTrainedModel | PeftModel = model.to(place).eval()  # type: ignore[arg-type]
+        self._grammars: Grammars | None = None
+        """llguidance's view of the tokenizer, built on the first constrained request."""
         self._adapter_paths: dict[str, Path] = {}
         """Every adapter name ever loaded → its directory; kept after retiring (immutability)."""
         self._loaded: set[str] = set()
@@ -302,9 +331,12 @@ class LocalPolicy:
         results: Results = [[] for _ in jobs]
         device = next(self.model.parameters()).device
         chunks: dict[int, tuple[torch.Generator, list[list[list[int]]]]] = {}
+        compiled: dict[int, Any] = {}
         for i, job in enumerate(jobs):
             try:
                 rows = self._rows(job)
+                if job.params.grammar is not None:
+                    compiled[i] = self._grammar_set().matcher(job.params.grammar)
             except Exception as err:  # this caller's prompt, not the batch's
                 results[i] = err
                 continue
@@ -325,7 +357,7 @@ class LocalPolicy:
             for level in range(levels):
                 units = [(i, gen, c[level]) for i, (gen, c) in chunks.items() if level < len(c)]
                 for group in _packed(units, limit):
-                    done = self._generate_shared(group, params, name, seen)
+                    done = self._generate_shared(group, params, name, seen, compiled)
                     for (i, _, _), completions in zip(group, done, strict=True):
                         cast(list[Completion], results[i]).extend(completions)
                         if level == len(chunks[i][1]) - 1:  # its last chunk
@@ -362,13 +394,20 @@ class LocalPolicy:
         out: list[Completion] = []
         device = next(self.model.parameters()).device
         cuda = [device.index or 0] if device.type == "cuda" else []
+        try:
+            grammar = None if job.params.grammar is None else \
+                self._grammar_set().matcher(job.params.grammar)
+        except PolicyError as err:
+            return err
         with self._using(job.adapter), torch.random.fork_rng(devices=cuda):
             # fork_rng: a seed pins these samples without touching anyone else's RNG stream.
             if job.params.seed is not None:
                 torch.manual_seed(job.params.seed)
             for start in range(0, len(rows), self.max_batch):
-                out += self._generate(rows[start:start + self.max_batch], job.params,
-                                      job.adapter)
+                chunk = rows[start:start + self.max_batch]
+                out += self._generate(chunk, job.params, job.adapter,
+                                      None if grammar is None else
+                                      self._grammar_set().rows([grammar] * len(chunk)))
         return out
 
     def _can_share(self) -> bool:
@@ -378,11 +417,14 @@ class LocalPolicy:
         return reason is None
 
     def _generate_shared(self, units: list[Chunk],
-                         params: SamplingParams, name: str | None, seen: Seen
-                         ) -> list[list[Completion]]:
+                         params: SamplingParams, name: str | None, seen: Seen,
+                         compiled: Mapping[int, Any] | None = None) -> list[list[Completion]]:
         """One batched generate over several jobs' rows, each unit drawing from its own
-        generator; the completions of each unit."""
+        generator, and sampling under its job's grammar where `compiled` has one (job index
+        → compiled matcher); the completions of each unit."""
         rows = [r for _, _, unit in units for r in unit]
+        masks = self._grammar_set().rows([(compiled or {}).get(i) for i, _, unit in units
+                                          for _ in unit]) if compiled else None
         spans: list[Unit] = []
         for _, gen, unit in units:
             start = spans[-1][1] if spans else 0
@@ -392,7 +434,7 @@ class LocalPolicy:
         prompts = [encode_cached(self.model, r, name, self.prefix_cache, seen) for r in rows]
         new, lps = sample_rows(
             self.model, [p for p, _ in prompts], params, eos_ids=self._eos_ids,
-            pad_id=self._pad_id, units=spans, shared=common_start(rows),
+            pad_id=self._pad_id, units=spans, shared=common_start(rows), masks=masks,
             stop=(lambda t: watch(cast(torch.LongTensor, t), None)) if params.stop else None)
         batch_ms = (time.monotonic() - started) * 1000
         flat = [self._completion(rows[i], new[i].tolist(), lps[i].tolist(),
@@ -401,7 +443,7 @@ class LocalPolicy:
         return [flat[a:b] for a, b, _ in spans]
 
     def _generate(self, rows: list[list[int]], params: SamplingParams,
-                  name: str | None) -> list[Completion]:
+                  name: str | None, masks: RowMasks | None = None) -> list[Completion]:
         width = max(len(r) for r in rows)
         device = next(self.model.parameters()).device
         input_ids = torch.tensor([[self._pad_id] * (width - len(r)) + r for r in rows],
@@ -418,14 +460,21 @@ class LocalPolicy:
         watch = _StopWatch(self._decode, width, params)
         # Decoding every row at every step costs little, but nothing at all when unneeded.
         criteria = [watch] if params.stop else []
+        grammar = None if masks is None else _GrammarMask(
+            masks, width, torch.tensor(sorted(self._eos_ids), device=device))
         started = time.monotonic()
         result = cast(Any, self.model).generate(
             input_ids=input_ids, attention_mask=mask, generation_config=config,
-            stopping_criteria=StoppingCriteriaList(criteria))
+            stopping_criteria=StoppingCriteriaList(criteria),
+            logits_processor=LogitsProcessorList([grammar] if grammar else []))
         batch_ms = (time.monotonic() - started) * 1000
         new = result.sequences[:, width:]  # [B, T]
         # One step at a time: stacking all logits would hold [B, T, V] twice.
-        lps = torch.stack([token_logprobs(step[:, None], new[:, t:t + 1], params.temperature)[:, 0]
+        def sampled(t: int, step: torch.Tensor) -> torch.Tensor:  # constrained rows: masked
+            return step if grammar is None else step.masked_fill(grammar.steps[t], float("-inf"))
+
+        lps = torch.stack([token_logprobs(sampled(t, step)[:, None], new[:, t:t + 1],
+                                          params.temperature)[:, 0]
                            for t, step in enumerate(result.logits)], dim=1)  # [B, T]
         return [self._completion(rows[i], new[i].tolist(), lps[i].tolist(), watch.stopped_at.get(i),
                                  params, name, batch_ms, len(rows)) for i in range(len(rows))]
@@ -443,6 +492,13 @@ class LocalPolicy:
             prompt_token_ids=list(prompt), finish_reason="stop" if ends else "length", adapter=name,
             latency_ms=batch_ms / batch_size,
             extra={"batch_ms": batch_ms, "cached_prompt_tokens": cached})
+
+    def _grammar_set(self) -> Grammars:
+        """llguidance's tokenizer (about a second to build), once per engine."""
+        if self._grammars is None:
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            self._grammars = Grammars(self.tokenizer, int(vocab), self._eos_ids)
+        return self._grammars
 
     def _decode(self, tokens: list[int]) -> str:
         return str(self.tokenizer.decode(tokens, skip_special_tokens=True))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -44,6 +44,9 @@ from flywheel.policy.kv import (
 )
 from flywheel.policy.logprobs import token_logprobs
 from flywheel.policy.prefix_cache import PrefixCache
+
+if TYPE_CHECKING:
+    from flywheel.policy.grammar_masks import RowMasks
 
 MIN_REUSE = 16
 """Fewest cached tokens worth continuing from (fewer: the prompt runs in full)."""
@@ -187,7 +190,8 @@ def sample_rows(model: Any, rows: Sequence[PromptKV], params: SamplingParams, *,
                 eos_ids: set[int], pad_id: int,
                 stop: Callable[[Tensor], Tensor] | None = None,
                 units: Sequence[Unit] | None = None, shared: int = 0,
-                in_place: bool | None = None) -> tuple[Tensor, Tensor]:
+                in_place: bool | None = None,
+                masks: RowMasks | None = None) -> tuple[Tensor, Tensor]:
     """Up to `params.max_tokens` tokens after each row's prompt: tokens [B, T] (padding after
     a row's end) and their sampling log-probs [B, T], T ≤ max_tokens.
 
@@ -199,7 +203,10 @@ def sample_rows(model: Any, rows: Sequence[PromptKV], params: SamplingParams, *,
     step for the whole batch instead of once per row. With units, a unit whose rows have all
     ended leaves the forward (`_compact`). `in_place` (None: on a GPU) writes each step's
     keys/values into room reserved for `max_tokens` (`kv.make_room`) instead of copying the
-    cache every step. Call under `torch.no_grad()`.
+    cache every step. `masks`: the grammars of constrained rows
+    (`flywheel.policy.grammar_masks`); each such row samples from its masked logits and its
+    log-probs are the masked distribution's, other rows are untouched. Call under
+    `torch.no_grad()`.
     """
     batch, device = len(rows), rows[0].hidden.device
     if params.max_tokens <= 0:
@@ -236,6 +243,8 @@ def sample_rows(model: Any, rows: Sequence[PromptKV], params: SamplingParams, *,
                         logits_to_keep=1, **{cache_kwarg(model): cache}, **extra)
             logits = out.logits[:, -1].float()  # [b, V]: the rows in the forward
         running = unfinished[alive]
+        if masks is not None:
+            logits = masks.mask(logits, alive, running)
         if sampling:
             no_ids = cast(torch.LongTensor, alive.new_zeros(len(alive), 0))
             drawn = _draw(torch.softmax(warpers(no_ids, logits), dim=-1), running, live)
@@ -244,6 +253,8 @@ def sample_rows(model: Any, rows: Sequence[PromptKV], params: SamplingParams, *,
         drawn = torch.where(running, drawn, pad_id)  # [b]
         picked = torch.full((batch,), pad_id, dtype=torch.long, device=device)
         picked[alive] = drawn
+        if masks is not None:
+            masks.advance(picked, unfinished)
         logp = torch.zeros(batch, device=device)
         logp[alive] = token_logprobs(logits[:, None], drawn[:, None], params.temperature)[:, 0]
         tokens.append(picked)

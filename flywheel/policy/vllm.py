@@ -17,7 +17,11 @@ template — which must be the policy's (`--chat-template $(flywheel policy chat
 and `prompt_token_ids` are what vLLM rendered. `tool_choice: "none"` makes vLLM return the raw
 text (the tools are still rendered into the prompt): the reply is parsed here by the policy's
 `chat_format`, exactly as the local engine's is. The first answer of each replica is checked
-against `chat_format.render`: a replica started with another template is refused.
+against `chat_format.render`: a replica started with another template is refused. Serving's
+`tool_choice` "required" or a named function sends its call grammar
+(`SamplingParams.grammar`, `flywheel.policy.call_grammar`) as vLLM's structured output
+`{"grammar": ...}`: its `auto` backend hands a grammar xgrammar cannot read (llguidance's
+Lark with inline `%json`) to its `guidance` backend, the library the local engine masks with.
 """
 
 from __future__ import annotations
@@ -320,6 +324,8 @@ def chat_body(messages: Sequence[Mapping[str, Any]], p: SamplingParams, model: s
         body["seed"] = p.seed  # vLLM gives sample i of the group seed + i
     if p.stop:
         body["stop"] = list(p.stop)
+    if p.grammar:  # serving's tool_choice: the continuation sampled under the call grammar
+        body["structured_outputs"] = {"grammar": p.grammar}
     if p.prefill:  # serving's tool_choice prefill: vLLM continues the assistant turn
         body["messages"].append({"role": "assistant", "content": p.prefill})
         body["continue_final_message"], body["add_generation_prompt"] = True, False

@@ -44,7 +44,7 @@ async def complete(serving: ServingSync, request: ChatRequest) -> dict[str, Any]
         max_tokens=request.max_completion_tokens or request.max_tokens or DEFAULT_MAX_TOKENS,
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
-        stop=d.stop + request.stops(), prefill=d.prefill)
+        stop=d.stop + request.stops(), prefill=d.prefill, grammar=d.grammar)
     started = time.time()
     out = await sample_placed(serving, target, messages, params, d.tools)
     return completion_body(request, target.name, fmt, d, out, started)
