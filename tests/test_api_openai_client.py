@@ -122,7 +122,7 @@ def calls(message: Any) -> list[tuple[str, dict[str, Any]]]:
 @pytest.fixture(scope="module")
 def two_calls(client: Any) -> Any:
     """The non-streamed answer the streaming test must reproduce."""
-    return greedy(client, TWO_CITIES, tools=[WEATHER], tool_choice="required", max_tokens=48)
+    return greedy(client, TWO_CITIES, tools=[WEATHER], tool_choice="required", max_tokens=64)
 
 
 def test_one_call(client: Any) -> None:
@@ -178,7 +178,7 @@ def test_streaming_assembles_exactly_the_non_streamed_calls(client: Any,
 
     state = ChatCompletionStreamState()
     kinds = []
-    with greedy(client, TWO_CITIES, tools=[WEATHER], tool_choice="required", max_tokens=48,
+    with greedy(client, TWO_CITIES, tools=[WEATHER], tool_choice="required", max_tokens=64,
                 stream=True, stream_options={"include_usage": True}) as stream:
         for chunk in stream:
             kinds.append("usage" if not chunk.choices else "choice")

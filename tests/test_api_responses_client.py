@@ -101,7 +101,7 @@ def without_ids(response: Any) -> list[dict[str, Any]]:
 def two_calls(client: Any) -> Any:
     """The non-streamed answer the streaming test must reproduce."""
     return greedy(client, input=TWO_CITIES, tools=[WEATHER], tool_choice="required",
-                  max_output_tokens=48)
+                  max_output_tokens=64)
 
 
 def test_one_call(client: Any) -> None:
@@ -127,7 +127,7 @@ def test_two_parallel_calls_are_the_chat_endpoint_calls(client: Any, two_calls: 
     assert len(set(ids)) == 2 and not set(ids) & {"call_a", "call_b"}
     chat = client.chat.completions.create(
         model="production", messages=TWO_CITIES_CHAT, tools=[CHAT_WEATHER],
-        tool_choice="required", temperature=0, seed=7, max_tokens=48)
+        tool_choice="required", temperature=0, seed=7, max_tokens=64)
     message = chat.choices[0].message
     assert [(c.function.name, json.loads(c.function.arguments))
             for c in message.tool_calls] == got
@@ -176,7 +176,7 @@ def test_streaming_assembles_exactly_the_non_streamed_output(client: Any,
     kinds = []
     with client.responses.stream(model="production", temperature=0, extra_body={"seed": 7},
                                  input=TWO_CITIES, tools=[WEATHER], tool_choice="required",
-                                 max_output_tokens=48) as stream:
+                                 max_output_tokens=64) as stream:
         for event in stream:
             kinds.append(event.type)
         final = stream.get_final_response()
@@ -189,7 +189,7 @@ def test_streaming_assembles_exactly_the_non_streamed_output(client: Any,
     # The raw events too, assembled by hand from the deltas.
     args: dict[int, str] = {}
     for event in greedy(client, input=TWO_CITIES, tools=[WEATHER], tool_choice="required",
-                        max_output_tokens=48, stream=True):
+                        max_output_tokens=64, stream=True):
         if event.type == "response.function_call_arguments.delta":
             args[event.output_index] = args.get(event.output_index, "") + event.delta
     assert list(args.values()) == [o.arguments for o in two_calls.output

@@ -20,6 +20,7 @@ from flywheel.config import RolloutSettings, Settings
 from flywheel.db.engine import make_engine
 from flywheel.policy.chat_format import ChatFormat, load_chat_format
 from flywheel.policy.model_cache import resolve_model_dir
+from flywheel.policy.tool_choice import decoding
 from flywheel.serving.completions import complete
 from flywheel.serving.request import parse_request
 from flywheel.serving.sync import ServingSync
@@ -92,7 +93,9 @@ async def test_required_prefills_through_vllm_and_parses_with_the_prefill(
     body = sent(cluster)
     assert body["messages"][-1] == {"role": "assistant", "content": prefill}
     assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
-    assert body["stop"] == ["</tool_call>"]
+    # vLLM decodes the rest under the call grammar (its `guidance` backend), not a stop string
+    want = decoding(fmt, OSLO, [WEATHER], "required", parallel=False)
+    assert body["structured_outputs"] == {"grammar": want.grammar} and "stop" not in body
     (choice,) = answer["choices"]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
