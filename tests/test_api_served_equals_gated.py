@@ -23,6 +23,7 @@ endpoints task by task, 777 s at ~17 (SFT 485, gate 184, served both ways 109).
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 import uuid
@@ -44,14 +45,23 @@ from flywheel.config import (
 from flywheel.db.engine import make_engine
 from flywheel.environments import load_environment
 from flywheel.environments.prompt import task_messages, task_tools
+from flywheel.environments.toolset import ToolsetEnvironment
+from flywheel.events import ScoredRollout, Turn
+from flywheel.gate import evaluate as gate_evaluate
 from flywheel.gate.decision import metrics
-from flywheel.gate.evaluate import load_holdout
+from flywheel.gate.evaluate import load_holdout, round_seed, scored_group
 from flywheel.mining.demos import demonstration_from_task
+from flywheel.mining.episodes import toolset_tools
 from flywheel.mining.store import freeze_eval_set, store_task
 from flywheel.policy.chat_format import openai_tools
 from flywheel.policy.model_cache import resolve_model_dir
-from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
+from flywheel.rollout.loop import score
+from flywheel.tasks import EpisodeSpec, ExpectedCall, TaskSpec, ToolCallSpec
+from flywheel.tools.descriptors import Registration
+from flywheel.tools.runtime import Catalog
+from flywheel.toolsets import PythonClass
 from tests.support.serving_helpers import live_api, register_version
+from tests.support.toolsets import registered
 
 openai = pytest.importorskip("openai")
 torch = pytest.importorskip("torch")
@@ -61,6 +71,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 TOKEN = "tok-agent"
 SFT_STEPS, SFT_BATCH, SFT_LR = 4, 4, 2e-3
 MAX_TOKENS = 40
+DESK = "tests.support.py_toolset:Desk"
 TOOLS = [  # as the miner stores an agent's tools (flat); the agent sends them nested
     {"type": "function", "name": "get_weather", "description": "Current weather for a city",
      "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -92,11 +103,85 @@ HOLDOUT = _tasks(["Pune", "Quito", "Accra", "Tunis", "Minsk"], [(7001, 2), (7002
                  "holdout")
 
 
+def _episodes(desk: Registration) -> list[TaskSpec]:
+    """Episode tasks on the `Desk` toolset (the two tools above as a Python class): a first
+    request, the agent's turns on the tools, its answer, then the scripted user's second
+    request; the end state (the tickets) is checked against the reference calls'."""
+    def task(first: str, then: str, title: str, priority: int) -> TaskSpec:
+        return TaskSpec(
+            task_id=uuid.uuid4(), env="toolset", tools=toolset_tools(desk),
+            messages=[{"role": "user", "content": first}],
+            verifier=EpisodeSpec(toolset="desk", toolset_version=desk.version,
+                                 initial_state={"tickets": []}, check_state=True,
+                                 user_turns=[then], reference_calls=[ExpectedCall(
+                                     name="create_ticket",
+                                     arguments={"title": title, "priority": priority})]),
+            failure_mode="incomplete", fingerprint=f"episode-{first}", split="holdout")
+
+    return [task("What's the weather in Pune?",
+                 "Printer 7004 is jammed, open a ticket with priority 2.",
+                 "Printer 7004 jammed", 2),
+            task("Printer 7005 is jammed, open a ticket with priority 3.",
+                 "What's the weather in Quito?", "Printer 7005 jammed", 3)]
+
+
+async def _served_episode(base_url: str, task: TaskSpec, catalog: Catalog, s: Settings
+                          ) -> ScoredRollout:
+    """The episode as an agent runs its own loop: `POST /v1/chat/completions` through the
+    official async client, each answer's message sent back as the client returns it
+    (`model_dump`, arguments as JSON strings, the server's call ids), the calls executed by
+    the agent on a session of its own, their results sent as `tool` messages; after an answer
+    without calls, the scripted user's next request. Scored by the gate's own rule."""
+    env = ToolsetEnvironment(catalog)
+    session = f"agent-{uuid.uuid4().hex[:8]}"
+    assert isinstance(task.verifier, EpisodeSpec)
+    assert await env.aopen([session], task.verifier) == [None]
+    seed = round_seed(s, task, 0)
+    budget = s.rollout.max_steps * (1 + len(task.verifier.user_turns))  # as the rollouts count
+    messages, turns = task_messages(task), []
+    try:
+        async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=TOKEN, max_retries=0,
+                                      timeout=600) as client:
+            for step in range(budget):
+                answer = await client.chat.completions.create(
+                    model="production", messages=messages, tools=openai_tools(task.tools),
+                    temperature=0, seed=seed + step, max_tokens=s.rollout.max_tokens,
+                    extra_body={"return_token_ids": True})
+                (choice,) = answer.choices
+                assert answer.model == "policy@v1", answer.model
+                turns.append(Turn(prompt_token_ids=answer.model_extra["prompt_token_ids"],
+                                  token_ids=choice.model_extra["token_ids"], logprobs=[],
+                                  text="", finish_reason=choice.finish_reason))
+                messages.append(choice.message.model_dump(exclude_none=True))
+                if choice.message.tool_calls:
+                    for call in choice.message.tool_calls:
+                        done = await env.astep(session, call.function.name,
+                                               json.loads(call.function.arguments))
+                        if done.end:
+                            break
+                        messages.append({"role": "tool", "tool_call_id": call.id,
+                                         "content": done.observation})
+                    continue
+                if choice.finish_reason == "length":
+                    break
+                user = await env.anext_user(session, choice.message.content or "")
+                if user is None:
+                    break
+                messages.append({"role": "user", "content": user})
+        result = score(env.verify_task(task, await env.asession_output(session)), turns)
+    finally:
+        await env.aclose(session)
+    return ScoredRollout(index=0, reward=result.reward, reward_components=result.reward_components,
+                         failure_mode=result.failure_mode, not_run=None, turns=turns,
+                         latency_ms=0.0, reason=result.details.get("reason"))
+
+
 def _settings(db_url: str, home: Path) -> Settings:
     return Settings(
         home=home, db=DbSettings(url=db_url),
         api=ApiSettings(tokens={TOKEN: ["publish"]}, serve=True),
-        rollout=RolloutSettings(model_dir=resolve_model_dir(None), max_tokens=MAX_TOKENS),
+        rollout=RolloutSettings(model_dir=resolve_model_dir(None), max_tokens=MAX_TOKENS,
+                                max_steps=3),
         trainer=TrainerSettings(adapters_dir=home / "adapters"),
         # Greedy, one sample per task, so one round and the fixed exact test; 8 greedy pairs
         # cannot reach a first candidate's level (5 wins: p = 1/32 > 0.0304), and what is
@@ -201,6 +286,8 @@ async def test_production_answers_score_as_the_gate_measured(db_url: str,
         for task in HOLDOUT:
             await store_task(conn, task, uuid.uuid4(), "human_correction", s.topics)
         await freeze_eval_set(conn, s.topics)
+    desk = await registered("desk", PythonClass(target=DESK))
+    catalog, episodes = Catalog.of([desk]), _episodes(desk)
     losses = await asyncio.to_thread(_warm_start, tmp_path / "sft")
     await register_version(s, engine, 1, tmp_path / "sft", stage="sft")
     t_sft = time.perf_counter()
@@ -219,6 +306,16 @@ async def test_production_answers_score_as_the_gate_measured(db_url: str,
         fmt = policy.chat_format
         prompts = {str(t.task_id): fmt.render(task_messages(t), task_tools(t))
                    for t in holdout.tasks}
+        # Episodes: production's rollouts of them exactly as the gate samples and scores them
+        # (its group config, round seed and adapter; one greedy attempt each).
+        adapter = await gate._adapter(1)
+        gated_episodes = {}
+        for task in episodes:
+            outcome = await scored_group(policy, task, ToolsetEnvironment(catalog),
+                                         gate_evaluate._config(s), s, adapter=adapter,
+                                         seed=round_seed(s, task, 0),
+                                         group_key=f"eval-{task.task_id}-r0")
+            (gated_episodes[task.task_id],) = outcome.rollouts
     finally:
         await policy.close()
     t_gate = time.perf_counter()
@@ -227,7 +324,11 @@ async def test_production_answers_score_as_the_gate_measured(db_url: str,
         served, answers = await asyncio.to_thread(_served_success, url, holdout.tasks, s)
         by_responses, responses = await asyncio.to_thread(_served_by_responses, url,
                                                           holdout.tasks, s)
-    t_served = time.perf_counter()
+        t_served = time.perf_counter()
+        served_episodes = {t.task_id: await _served_episode(url, t, catalog, s)
+                           for t in episodes}
+    t_episodes = time.perf_counter()
+    await catalog.aclose()
     await engine.dispose()
 
     gated_by_task = {a.task: a.success for a in gated.attempts}
@@ -240,7 +341,8 @@ async def test_production_answers_score_as_the_gate_measured(db_url: str,
               f"{len(served)} tasks; per task gated {list(gated_by_task.values())} served "
               f"{[served[k] for k in gated_by_task]}; served misses {misses}; SFT losses "
               f"{[round(x, 3) for x in losses]}; {time.perf_counter() - started:.0f}s (SFT "
-              f"{t_sft - started:.0f}, gate {t_gate - t_sft:.0f}, served {t_served - t_gate:.0f})")
+              f"{t_sft - started:.0f}, gate {t_gate - t_sft:.0f}, served {t_served - t_gate:.0f}, "
+              f"served episodes {t_episodes - t_served:.0f})")
     print(report)
     assert record["candidate"]["success_rate"] == gated_rate
     assert gated_rate > 0 and served_rate > 0, report  # a comparison of zeros means nothing
@@ -256,3 +358,22 @@ async def test_production_answers_score_as_the_gate_measured(db_url: str,
     for response, task in responses:
         assert response.model == "policy@v1", response.model
         assert response.model_extra["prompt_token_ids"] == prompts[str(task.task_id)]
+    # Episodes: the agent's own loop over the API gets, turn by turn, what the gate rolled
+    # out — the same prompt ids (the answers and tool messages sent back as the client sends
+    # them), the same tokens, the same verdict.
+    for task in episodes:
+        gated_ep, served_ep = gated_episodes[task.task_id], served_episodes[task.task_id]
+        shown = [(len(t.prompt_token_ids), fmt.tokenizer.decode(t.token_ids))
+                 for t in gated_ep.turns]
+        assert [t.prompt_token_ids for t in served_ep.turns] == \
+            [t.prompt_token_ids for t in gated_ep.turns], shown
+        assert [t.token_ids for t in served_ep.turns] == [t.token_ids for t in gated_ep.turns]
+        assert (served_ep.reward, served_ep.failure_mode, served_ep.reason) == \
+            (gated_ep.reward, gated_ep.failure_mode, gated_ep.reason), shown
+    # ...and the comparison is of whole episodes: calls made and their results sent back in
+    # for a later turn. (This adapter, at 40 tokens, keeps calling tools to the budget and
+    # never answers, so the scripted user's turn is not reached here; the loop above sends it
+    # as the rollouts do, and tests/test_environments_episode.py covers that turn.)
+    turns = [t for task in episodes for t in gated_episodes[task.task_id].turns]
+    assert any("<tool_call>" in fmt.tokenizer.decode(t.token_ids) for t in turns), turns
+    assert any(len(gated_episodes[t.task_id].turns) >= 2 for t in episodes)

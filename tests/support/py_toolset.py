@@ -60,3 +60,26 @@ class Notes:
         RECEIVED.append((id(self), "sleep", {"seconds": seconds}))
         await asyncio.sleep(seconds)
         return "awake"
+
+
+class Desk:
+    """A help desk with the two tools `tests/test_api_served_equals_gated.py` trains a version
+    to call (same names, descriptions and parameters): the weather is read, tickets are kept."""
+
+    def __init__(self) -> None:
+        self.tickets: list[dict[str, Any]] = []
+
+    def reset(self, initial_state: dict[str, Any] | None) -> None:
+        self.tickets = [dict(t) for t in (initial_state or {}).get("tickets", [])]
+
+    def state(self) -> dict[str, Any]:
+        return {"tickets": self.tickets}
+
+    def get_weather(self, city: str) -> str:
+        """Current weather for a city"""
+        return f"{city}: {12 + len(city) % 9} C, clear"
+
+    def create_ticket(self, title: str, priority: int) -> str:
+        """Open a support ticket"""
+        self.tickets.append({"title": title, "priority": priority})
+        return f"opened ticket {len(self.tickets)}"
