@@ -121,6 +121,40 @@ def test_a_failure_in_the_second_turn_keeps_the_first_in_the_prompt_and_runs_its
     assert [c.name for c in spec.reference_calls] == ["tickets_update", "email_send"]
 
 
+def test_an_answer_without_the_work_in_an_earlier_turn_starts_the_episode_there(
+        workplace: Registration) -> None:
+    # No single call is to blame (the classifier says `incomplete`, no step): the episode
+    # starts at the first turn that left the corrected path, not at the last user turn —
+    # from there the right path would have to redo a turn the prompt says is done.
+    items = [_say("user", ASK), _say("assistant", "Done, it is closed."), _say("user", THEN),
+             *_call(2, "email_send", "sent", to="ana@example.com", subject="Fixed"),
+             _say("assistant", "Sent.")]
+    task = _mine(_record(items, corrected=WHOLE_PATH), [workplace])
+    assert isinstance(task, TaskSpec) and task.failure_mode == "incomplete"
+    spec = task.verifier
+    assert isinstance(spec, EpisodeSpec)
+    assert task.messages == [{"role": "user", "content": ASK}] and spec.user_turns == [THEN]
+    assert spec.setup == [] and [c.name for c in spec.reference_calls] == [
+        "tickets_update", "email_send"]
+
+
+def test_a_retry_with_the_calls_the_agent_made_shows_nothing_to_check(
+        workplace: Registration) -> None:
+    # The right calls and a wrong answer, then a successful retry making the same calls: the
+    # calls cannot tell the failure from the success, and nothing else is expected.
+    done = [_say("user", ASK),
+            *_call(1, "tickets_update", "updated", ticket_id="tkt-1", status="closed"),
+            _say("assistant", "Closed."), _say("user", THEN),
+            *_call(2, "email_send", "sent", to="ana@example.com", subject="Fixed")]
+    failed = parse_trajectory(_record([*done, _say("assistant", "I could not send it.")]))
+    retry = parse_trajectory(_record([*done, _say("assistant", "Sent.")], status="success"))
+    found = expected_calls(failed, retry)
+    assert found is not None
+    built = build_episode(failed, classify_failure(failed, found[0]), [workplace], retry=retry)
+    assert isinstance(built, Unverifiable)
+    assert built.reason.startswith("the expected calls are the ones the agent made")
+
+
 def test_without_a_logged_state_the_episode_replays_results_and_requires_the_calls(
         workplace: Registration) -> None:
     record = _record(WRONG_FIRST_TURN, corrected=WHOLE_PATH, meta={"toolset": "workplace"})

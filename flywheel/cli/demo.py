@@ -12,7 +12,9 @@ from flywheel.cli.common import load_settings
 
 
 def simulate(
-    agents: Annotated[int, typer.Option(help="Simulated agents (1-3: support, ops, code).")] = 3,
+    agents: Annotated[int, typer.Option(
+        help="Simulated agents (1-4: support, ops, code, and a helpdesk agent in multi-turn "
+             "conversations on its registered toolset `workplace`).")] = 3,
     n: Annotated[int, typer.Option(help="Trajectories to write.")] = 2000,
     failure_rate: Annotated[float, typer.Option(help="Share of failed attempts.")] = 0.3,
     seed: Annotated[int, typer.Option(help="Random seed (same seed, same output).")] = 0,

@@ -1,7 +1,9 @@
 """`flywheel simulate`: realistic trajectories of deployed agents, for the demo and tests.
 
-Three agents: a support bot making single tool calls (`tool_call` tasks), an ops assistant
-acting on calendar/email/tickets (`workplace` tasks) and a coding assistant (`code` tasks).
+Four agents: a support bot making single tool calls (`tool_call` tasks), an ops assistant
+acting on calendar/email/tickets (`workplace` tasks), a coding assistant (`code` tasks) and,
+with `agents=4`, a helpdesk agent holding multi-turn conversations on its own registered
+toolset (`workplace`; episode tasks: `flywheel.demo.simulate_episodes`).
 Failures cover every failure mode; some are corrected by a person, some carry structured
 feedback, some are retried successfully later in the same session, and some carry nothing
 that could verify them (they must end up unverifiable, never guessed).
@@ -209,15 +211,17 @@ def _code(rng: random.Random, s: _Session, failed: bool) -> list[dict[str, Any]]
 
 def simulate(n: int, *, agents: int = 3, failure_rate: float = 0.3, seed: int = 0,
              chat_share: float = 0.0) -> Iterator[dict[str, Any]]:
-    """Yield about `n` trajectories from `agents` (1–3) simulated deployed agents."""
+    """Yield about `n` trajectories from `agents` (1–4) simulated deployed agents."""
+    from flywheel.demo import simulate_episodes
+
     rng = random.Random(seed)
-    kinds = ["support", "workplace", "code"][:max(1, min(agents, 3))]
+    kinds = ["support", "workplace", "code", "desk"][:max(1, min(agents, 4))]
     start = datetime(2026, 11, 1, tzinfo=UTC)
     produced = 0
     while produced < n:
         kind = rng.choice(kinds)
         s = _Session(rng, {"support": "support-bot", "workplace": "ops-assistant",
-                           "code": "code-assistant"}[kind],
+                           "code": "code-assistant", "desk": simulate_episodes.AGENT}[kind],
                      start + timedelta(seconds=rng.randrange(10**6)))
         failed = rng.random() < failure_rate
         if kind == "support":
@@ -225,6 +229,9 @@ def simulate(n: int, *, agents: int = 3, failure_rate: float = 0.3, seed: int = 
         elif kind == "workplace":
             mode = rng.choice(["bad_arguments", "wrong_tool", "unsafe_action"])
             batch = _workplace(rng, s, mode if failed else None)
+        elif kind == "desk":
+            batch = simulate_episodes.session(
+                rng, s.record, rng.choice(simulate_episodes.SHAPES) if failed else None)
         else:
             batch = _code(rng, s, failed)
         for rec in batch[: n - produced]:

@@ -128,6 +128,30 @@ def _path(prefix: list[LoggedCall], found: list[ExpectedCall]
     return (found, found[len(head):]) if starts else ([*head, *found], found)
 
 
+def _same_calls(a: Sequence[ExpectedCall | LoggedCall], b: Sequence[ExpectedCall | LoggedCall]
+                ) -> bool:
+    return [(x.name, x.arguments) for x in a] == [(x.name, x.arguments) for x in b]
+
+
+def _left_path(items: Sequence[Any], users: list[int], expected: list[ExpectedCall]) -> int:
+    """The first user turn at which the agent left `expected` when that is the whole
+    conversation's path: its calls are not the path's next ones, or it made none and
+    answered while the path goes on. The last turn when it never left (or `expected`
+    does not start with the first turn's calls: it is the path from the failed turn on,
+    which the classifier places)."""
+    at = 0
+    for k, n in enumerate(users):
+        end = users[k + 1] if k + 1 < len(users) else len(items)
+        made = logged_calls(items[n:end]) or []
+        if not _same_calls(made, expected[at:at + len(made)]):
+            return k if k > 0 or not made else len(users) - 1
+        if not made and at < len(expected) and any(
+                isinstance(i, MessageItem) and i.role == "assistant" for i in items[n:end]):
+            return k
+        at += len(made)
+    return len(users) - 1
+
+
 def _check_path(reg: Registration, path: list[ExpectedCall]) -> str | None:
     for call in path:
         tool = reg.tool(call.name)
@@ -153,17 +177,19 @@ def build_episode(t: Trajectory, c: Classification, registrations: Sequence[Regi
              if isinstance(i, MessageItem) and i.role == "user"]
     if not users:
         return Unverifiable("no user request in the conversation")
+    if logged_calls(t.items) is None:
+        return Unverifiable("a logged call's arguments are not a JSON object")
+    found = expected_actions(t, retry)
     failed_at = c.step if c.step is not None else len(t.items) - 1
     turn = max([k for k, (n, _) in enumerate(users) if n <= failed_at], default=0)
+    if found is not None:
+        turn = min(turn, _left_path(t.items, [n for n, _ in users], found.calls))
     start = users[turn][0]
     later = [u.content for _, u in users[turn + 1:]]
     if not all(isinstance(u, str) for u in later):
         return Unverifiable("a later user message is not plain text: the scripted user "
                             "gives text")
-    prefix, logged = logged_calls(t.items[:start]), logged_calls(t.items[start:])
-    if prefix is None or logged is None:
-        return Unverifiable("a logged call's arguments are not a JSON object")
-    found = expected_actions(t, retry)
+    prefix, logged = logged_calls(t.items[:start]) or [], logged_calls(t.items[start:]) or []
     feedback = t.outcome.feedback if t.outcome is not None else None
     results = _texts(feedback, "expected_results")
     answer = _texts(feedback, "final_answer_contains")
@@ -174,6 +200,10 @@ def build_episode(t: Trajectory, c: Classification, registrations: Sequence[Regi
     broken = _check_path(reg, path)
     if broken:
         return Unverifiable(broken)
+    if not results and not answer and _same_calls(rest, logged):
+        return Unverifiable("the expected calls are the ones the agent made from the failed "
+                            "turn on: what failed is not in the calls, and no tool results or "
+                            "answer content are expected that could show it")
     env_meta = t.metadata.get("environment")
     env_meta = env_meta if isinstance(env_meta, dict) else {}
     initial = env_meta.get("initial_state")
