@@ -150,3 +150,16 @@ async def test_every_mined_episode_is_won_by_the_right_conversation_and_lost_by_
     print(dict(outcomes))
     by_shape = Counter(shape for shape, _ in outcomes.elements())
     assert all(by_shape[shape] >= 4 for shape in desk.SHAPES), by_shape
+
+
+def test_the_episode_bench_pairs_each_failure_mined_both_ways(workplace: Registration) -> None:
+    from flywheel.bench.episodes import paired_tasks
+
+    pairs = paired_tasks(workplace, 6, seed=5)
+    assert len(pairs) == 6
+    for episode, single in pairs:
+        assert episode.env == "toolset" and single.env == "tool_call"
+        assert isinstance(episode.verifier, EpisodeSpec)
+        # The same conversation (where each cuts it is its own rule).
+        assert single.messages[:2] == episode.messages[:2]
+        assert single.messages[1]["role"] == "user"

@@ -190,6 +190,20 @@ def bench_tools(
                                  sessions=sessions), as_json)
 
 
+@bench_app.command("episodes")
+def bench_episodes(
+    tasks: Annotated[int, typer.Option(help="Failures mined both ways (pairs of tasks).")] = 4,
+    seed: Annotated[int, typer.Option(help="Seed of the simulated helpdesk traffic.")] = 5,
+    as_json: JsonOpt = False,
+) -> None:
+    """What a whole episode costs against the single step it replaced: the same simulated
+    failures mined as episode tasks and as single-step tasks, the same engine and group
+    config: seconds per group and per gate round, turns and tokens per attempt."""
+    from flywheel.bench.episodes import run_episodes_bench
+
+    print_result(run_episodes_bench(tasks=tasks, seed=seed), as_json)
+
+
 @bench_app.command("gpu", context_settings={"allow_extra_args": True,
                                            "ignore_unknown_options": True})
 def bench_gpu(ctx: typer.Context) -> None:
