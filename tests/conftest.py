@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 TEMPLATE_DB = "flywheel_template"
 
-# -- running in parallel (`make test`: pytest-xdist, `-n 2 --dist loadfile`) ----------------------
+# -- running in parallel (`make test`: pytest-xdist, `-n 3 --dist loadfile`) ----------------------
 #
 # Each worker is a process of its own with its own broker, Postgres and model (the session
 # fixtures below), so workers share nothing but the machine; a file's tests stay on one worker
