@@ -15,13 +15,12 @@ from typing import Any
 
 import pytest
 
+from flywheel.bench.episodes import mine_failure, paired_tasks
 from flywheel.demo import simulate_episodes as desk
 from flywheel.demo.simulate import _Session, simulate
 from flywheel.environments.toolset import ToolsetEnvironment
-from flywheel.mining.build import Unverifiable
-from flywheel.mining.classify import classify_failure
-from flywheel.mining.expected import expected_calls, same_episode
-from flywheel.mining.mine_batch import MineStats, _build
+from flywheel.environments.workplace_world import apply_call
+from flywheel.mining.mine_batch import MineStats
 from flywheel.policy.chat_format import ChatFormat, load_chat_format
 from flywheel.policy.model_cache import resolve_model_dir
 from flywheel.rollout.loop import GroupConfig, run_group
@@ -29,7 +28,7 @@ from flywheel.tasks import EpisodeSpec, TaskSpec
 from flywheel.tools.descriptors import Registration
 from flywheel.tools.runtime import Catalog
 from flywheel.toolsets import PythonClass
-from flywheel.trajectory import FunctionCallItem, MessageItem, Trajectory, parse_trajectory
+from flywheel.trajectory import FunctionCallItem, MessageItem, parse_trajectory
 from tests.support.scripted import Scripted, tool_call
 from tests.support.toolsets import registered
 
@@ -39,17 +38,6 @@ WORKPLACE = "flywheel.environments.workplace_tools:WorkplaceTools"
 @pytest.fixture(scope="module")
 async def workplace() -> AsyncIterator[Registration]:
     yield await registered(desk.TOOLSET, PythonClass(target=WORKPLACE))
-
-
-def _mine(t: Trajectory, logs: list[Trajectory], reg: Registration, stats: MineStats
-          ) -> TaskSpec | Unverifiable:
-    """As `mining.mine_batch` mines a failure: a successful retry in its session, the
-    expected calls, the classification, the episode (else the single-step task)."""
-    retry = next((s for s in logs if s.session_id == t.session_id and s.is_success
-                  and not same_episode(t, s)), None)
-    found = expected_calls(t, retry)
-    c = classify_failure(t, found[0] if found else None)
-    return _build(t, c, retry, [reg], stats, 0.2, True)
 
 
 def test_simulated_helpdesk_logs_are_multi_step_and_replay_as_they_happened() -> None:
@@ -64,7 +52,6 @@ def test_simulated_helpdesk_logs_are_multi_step_and_replay_as_they_happened() ->
     logged_state = sum(1 for t in logs if "environment" in t.metadata)
     assert 0.8 * len(logs) < logged_state < len(logs)  # some agents do not log their state
     # Every logged result is the world's answer to the call on the logged state.
-    from flywheel.environments.workplace_world import apply_call
     for t in (t for t in logs if "environment" in t.metadata):
         state = t.metadata["environment"]["initial_state"]
         outputs = {i.call_id: i.output for i in t.items if i.type == "function_call_output"}
@@ -81,7 +68,7 @@ def test_simulated_failures_mine_into_episodes_by_failure_mode_and_unverifiable_
     failed = [t for t in logs if not t.is_success]
     stats, modes = MineStats(), Counter[str]()
     for t in failed:
-        task = _mine(t, logs, workplace, stats)
+        task = mine_failure(t, logs, [workplace], stats)
         if isinstance(task, TaskSpec) and isinstance(task.verifier, EpisodeSpec):
             modes[task.failure_mode] += 1
     unverifiable = stats.episode_unverifiable
@@ -129,7 +116,7 @@ async def test_every_mined_episode_is_won_by_the_right_conversation_and_lost_by_
                 session = _Session(rng, desk.AGENT, datetime(2026, 11, 1, tzinfo=UTC))
                 records = desk.session(rng, session.record, shape, planned)
                 logs = [parse_trajectory(r) for r in records]
-                task = _mine(logs[0], logs, workplace, MineStats())
+                task = mine_failure(logs[0], logs, [workplace], MineStats())
                 if not (isinstance(task, TaskSpec) and isinstance(task.verifier, EpisodeSpec)):
                     continue
                 turn = sum(1 for m in task.messages if m["role"] == "user") - 1
@@ -153,8 +140,6 @@ async def test_every_mined_episode_is_won_by_the_right_conversation_and_lost_by_
 
 
 def test_the_episode_bench_pairs_each_failure_mined_both_ways(workplace: Registration) -> None:
-    from flywheel.bench.episodes import paired_tasks
-
     pairs = paired_tasks(workplace, 6, seed=5)
     assert len(pairs) == 6
     for episode, single in pairs:

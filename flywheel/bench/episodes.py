@@ -28,12 +28,14 @@ from flywheel.demo.simulate import simulate
 from flywheel.environments import load_environment
 from flywheel.environments.base import Environment
 from flywheel.environments.toolset import ToolsetEnvironment
+from flywheel.mining.build import Unverifiable
 from flywheel.mining.classify import classify_failure
 from flywheel.mining.expected import expected_calls, same_episode
 from flywheel.mining.mine_batch import MineStats, _build
 from flywheel.policy.base import Policy
 from flywheel.rollout.loop import GroupConfig, GroupOutcome, run_group
 from flywheel.tasks import EpisodeSpec, TaskSpec
+from flywheel.tools.descriptors import Registration
 from flywheel.tools.registry import read_toolset
 from flywheel.tools.runtime import Catalog
 from flywheel.toolsets import PythonClass
@@ -42,29 +44,33 @@ from flywheel.trajectory import Trajectory, parse_trajectory
 TARGET = "flywheel.environments.workplace_tools:WorkplaceTools"
 
 
-def paired_tasks(reg: Any, n: int, seed: int) -> list[tuple[TaskSpec, TaskSpec]]:
+def mine_failure(t: Trajectory, logs: list[Trajectory], registrations: list[Registration],
+                 stats: MineStats) -> TaskSpec | Unverifiable:
+    """Failure `t` mined as `mining.mine_batch` mines it, with its session's logs in memory
+    instead of Postgres: a successful retry in the session, the expected calls, the
+    classification, then the episode task (else the single-step one)."""
+    retry = next((s for s in logs if s.session_id == t.session_id and s.is_success
+                  and not same_episode(t, s)), None)
+    found = expected_calls(t, retry)
+    c = classify_failure(t, found[0] if found else None)
+    return _build(t, c, retry, registrations, stats, 0.0, True)
+
+
+def paired_tasks(reg: Registration, n: int, seed: int) -> list[tuple[TaskSpec, TaskSpec]]:
     """(episode task, single-step task) of the first `n` simulated helpdesk failures that
     give both."""
     logs = [parse_trajectory(r) for r in simulate(40 * n + 400, agents=4, failure_rate=0.5,
                                                  seed=seed) if r["agent"] == desk.AGENT]
     pairs = []
     for t in (t for t in logs if not t.is_success):
-        retry = _retry(t, logs)
-        found = expected_calls(t, retry)
-        c = classify_failure(t, found[0] if found else None)
-        episode = _build(t, c, retry, [reg], MineStats(), 0.0, False)
-        single = _build(t, c, retry, [], MineStats(), 0.0, False)
+        episode = mine_failure(t, logs, [reg], MineStats())
+        single = mine_failure(t, logs, [], MineStats())
         if (isinstance(episode, TaskSpec) and isinstance(episode.verifier, EpisodeSpec)
                 and isinstance(single, TaskSpec) and single.env == "tool_call"):
             pairs.append((episode, single))
             if len(pairs) == n:
                 break
     return pairs
-
-
-def _retry(t: Trajectory, logs: list[Trajectory]) -> Trajectory | None:
-    return next((s for s in logs if s.session_id == t.session_id and s.is_success
-                 and not same_episode(t, s)), None)
 
 
 def run_episodes_bench(*, tasks: int = 4, seed: int = 5) -> dict[str, Any]:

@@ -157,8 +157,8 @@ def _wrong_step(rng: random.Random, state: State, req: _Request) -> list[Call]:
 
 
 def _wrong_tool(req: _Request) -> list[Call]:
-    first = req.calls[-1]
-    name, args = first["name"], first["arguments"]
+    last = req.calls[-1]
+    name, args = last["name"], last["arguments"]
     if name == "tickets_update":
         other = {"name": "tickets_create", "arguments": {
             "title": f"{args['ticket_id']} {args.get('status', 'update')}", "priority": 2}}

@@ -94,17 +94,23 @@ def toolset_tools(reg: Registration) -> list[dict[str, Any]]:
 def logged_calls(items: Sequence[Any]) -> list[LoggedCall] | None:
     """The calls of `items` with the results logged for them (None: arguments that are not
     a JSON object)."""
+    indexed = _indexed_calls(items)
+    return None if indexed is None else [call for _, call in indexed]
+
+
+def _indexed_calls(items: Sequence[Any]) -> list[tuple[int, LoggedCall]] | None:
+    """`logged_calls`, each with the index of its item."""
     outputs = {i.call_id: i for i in items if isinstance(i, FunctionCallOutputItem)}
     out = []
-    for item in items:
+    for n, item in enumerate(items):
         if isinstance(item, FunctionCallItem):
             args = parse_arguments(item.arguments)
             if args is None:
                 return None
             res = outputs.get(item.call_id)
-            out.append(LoggedCall(name=item.name, arguments=args,
-                                  output=res.output if res else "",
-                                  status=res.status if res else "ok"))
+            out.append((n, LoggedCall(name=item.name, arguments=args,
+                                      output=res.output if res else "",
+                                      status=res.status if res else "ok")))
     return out
 
 
@@ -133,20 +139,21 @@ def _same_calls(a: Sequence[ExpectedCall | LoggedCall], b: Sequence[ExpectedCall
     return [(x.name, x.arguments) for x in a] == [(x.name, x.arguments) for x in b]
 
 
-def _left_path(items: Sequence[Any], users: list[int], expected: list[ExpectedCall]) -> int:
-    """The first user turn at which the agent left `expected` when that is the whole
-    conversation's path: its calls are not the path's next ones, or it made none and
-    answered while the path goes on. The last turn when it never left (or `expected`
-    does not start with the first turn's calls: it is the path from the failed turn on,
-    which the classifier places)."""
+def _left_path(items: Sequence[Any], users: list[int], calls: list[tuple[int, LoggedCall]],
+               expected: list[ExpectedCall]) -> int:
+    """The first user turn (of those starting at item indices `users`) at which the agent
+    left `expected` when that is the whole conversation's path: the turn's calls are not the
+    path's next ones, or it made none and answered while the path goes on. The last turn when
+    it never left, or when `expected` does not start with the first turn's calls (it is the
+    path from the failed turn on, which the classifier places)."""
     at = 0
-    for k, n in enumerate(users):
+    for k, start in enumerate(users):
         end = users[k + 1] if k + 1 < len(users) else len(items)
-        made = logged_calls(items[n:end]) or []
+        made = [c for n, c in calls if start <= n < end]
         if not _same_calls(made, expected[at:at + len(made)]):
             return k if k > 0 or not made else len(users) - 1
         if not made and at < len(expected) and any(
-                isinstance(i, MessageItem) and i.role == "assistant" for i in items[n:end]):
+                isinstance(i, MessageItem) and i.role == "assistant" for i in items[start:end]):
             return k
         at += len(made)
     return len(users) - 1
@@ -177,19 +184,21 @@ def build_episode(t: Trajectory, c: Classification, registrations: Sequence[Regi
              if isinstance(i, MessageItem) and i.role == "user"]
     if not users:
         return Unverifiable("no user request in the conversation")
-    if logged_calls(t.items) is None:
+    calls = _indexed_calls(t.items)
+    if calls is None:
         return Unverifiable("a logged call's arguments are not a JSON object")
     found = expected_actions(t, retry)
     failed_at = c.step if c.step is not None else len(t.items) - 1
     turn = max([k for k, (n, _) in enumerate(users) if n <= failed_at], default=0)
     if found is not None:
-        turn = min(turn, _left_path(t.items, [n for n, _ in users], found.calls))
+        turn = min(turn, _left_path(t.items, [n for n, _ in users], calls, found.calls))
     start = users[turn][0]
     later = [u.content for _, u in users[turn + 1:]]
     if not all(isinstance(u, str) for u in later):
         return Unverifiable("a later user message is not plain text: the scripted user "
                             "gives text")
-    prefix, logged = logged_calls(t.items[:start]) or [], logged_calls(t.items[start:]) or []
+    prefix = [c for n, c in calls if n < start]
+    logged = [c for n, c in calls if n >= start]
     feedback = t.outcome.feedback if t.outcome is not None else None
     results = _texts(feedback, "expected_results")
     answer = _texts(feedback, "final_answer_contains")
