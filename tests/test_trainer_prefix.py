@@ -142,3 +142,29 @@ def test_sft_with_a_shared_prefix_is_the_same_gradient(trainer: LoRATrainer) -> 
     assert float((shared_g - naive_g).norm() / naive_g.norm()) < 1e-3
     assert shared_loss == pytest.approx(naive_loss, rel=1e-5)
     assert shared_hits == naive_hits
+
+
+def test_sft_projects_only_the_target_columns_onto_the_vocabulary(trainer: LoRATrainer) -> None:
+    """A multi-turn demonstration is hundreds of conversation tokens before a short reply:
+    the shared-prefix SFT pass computes logits where some example of the micro-batch has a
+    target, not at every position ([K, V] fp32 a row would dwarf the activations)."""
+    g = torch.Generator().manual_seed(3)
+    root = torch.randint(100, 40000, (ROOT,), generator=g).tolist()
+    examples = []
+    for context, target in [(40, 3), (25, 2)]:  # long context, short reply
+        prompt = root + torch.randint(100, 40000, (context,), generator=g).tolist()
+        completion = torch.randint(100, 40000, (target,), generator=g).tolist()
+        examples.append(SFTExample([*prompt, *completion], [IGNORE] * len(prompt) + completion))
+    head = trainer.model.get_output_embeddings()
+    positions: list[int] = []
+    hook = head.register_forward_hook(lambda _m, args, _o: positions.append(args[0].shape[1]))
+    try:
+        trainer.optimizer.zero_grad(set_to_none=True)
+        sft_backward(trainer.model, examples, pad_id=trainer.pad_id, micro_batch=2,
+                     share_prefix=True)
+    finally:
+        hook.remove()
+        trainer.optimizer.zero_grad(set_to_none=True)
+    # The root's pass keeps its last position; the rest: targets at columns 40-42 and 25-26
+    # of the tails, each predicted from the column before.
+    assert positions == [1, 5]

@@ -96,27 +96,46 @@ def completion_logps(model: Any, prompt: EncodedPrompt, completions: Sequence[Se
 
 
 def completion_scores(model: Any, prompt: EncodedPrompt, completions: Sequence[Sequence[int]],
-                      pad_id: int, temperature: float, *,
-                      hits: bool = False) -> tuple[Tensor, Tensor | None]:
-    """`completion_logps`, and with `hits` whether each token is the argmax: [n, K] bool."""
+                      pad_id: int, temperature: float, *, hits: bool = False,
+                      columns: Sequence[int] | None = None) -> tuple[Tensor, Tensor | None]:
+    """`completion_logps`, and with `hits` whether each token is the argmax: [n, K] bool.
+
+    `columns` (sorted, distinct, each < K): only those columns are scored, [n, len(columns)]
+    — the vocabulary projection runs at those positions alone. SFT on a multi-turn
+    demonstration scores the reply's few tokens after hundreds of conversation tokens; the
+    logits of every position ([K, V] fp32 a row, several copies for the backward) would
+    cost more memory than the layers' activations."""
     device = prompt.last_logits.device
     n, k = len(completions), max(len(c) for c in completions)
     ids = torch.full((n, k), pad_id, dtype=torch.long, device=device)            # [n, K]
     for i, c in enumerate(completions):
         ids[i, :len(c)] = torch.tensor(list(c), device=device)
-    last = prompt.last_logits[:, None].expand(n, 1, -1)                          # [n, 1, V]
-    logp = token_logprobs(last, ids[:, :1], temperature)                         # [n, 1]
-    hit = (last.argmax(-1) == ids[:, :1]) if hits else None                      # [n, 1]
-    if k > 1:
+    cols = list(range(k)) if columns is None else list(columns)
+    later = [c for c in cols if c >= 1]
+    parts: list[Tensor] = []
+    hit_parts: list[Tensor] = []
+    if cols and cols[0] == 0:
+        last = prompt.last_logits[:, None].expand(n, 1, -1)                      # [n, 1, V]
+        parts.append(token_logprobs(last, ids[:, :1], temperature))             # [n, 1]
+        if hits:
+            hit_parts.append(last.argmax(-1) == ids[:, :1])
+    if later:
         # Right padding sits after every real token, so plain causal attention never lets a
-        # real token see it; positions continue from the prompt's.
-        positions = torch.arange(prompt.length, prompt.length + k - 1, device=device)
-        logits = model(input_ids=ids[:, :-1], position_ids=positions[None].expand(n, -1),
-                       use_cache=True, **{cache_kwarg(model): kv_cache(prompt.kv, n)}
-                       ).logits                                                  # [n, K-1, V]
-        logp = torch.cat([logp, token_logprobs(logits, ids[:, 1:], temperature)], dim=1)
-        if hit is not None:
-            hit = torch.cat([hit, logits.argmax(-1) == ids[:, 1:]], dim=1)
+        # real token see it; positions continue from the prompt's. Column c is predicted at
+        # input position c − 1; the forward stops at the last column asked for.
+        width = later[-1]
+        positions = torch.arange(prompt.length, prompt.length + width, device=device)
+        keep: int | Tensor = (width if columns is None
+                              else torch.tensor([c - 1 for c in later], device=device))
+        logits = model(input_ids=ids[:, :width], position_ids=positions[None].expand(n, -1),
+                       use_cache=True, logits_to_keep=keep,
+                       **{cache_kwarg(model): kv_cache(prompt.kv, n)}).logits   # [n, C, V]
+        target = ids[:, later]
+        parts.append(token_logprobs(logits, target, temperature))
+        if hits:
+            hit_parts.append(logits.argmax(-1) == target)
+    logp = torch.cat(parts, dim=1) if parts else ids.new_zeros((n, 0), dtype=torch.float32)
+    hit = (torch.cat(hit_parts, dim=1) if hit_parts else None) if hits else None
     return logp, hit
 
 

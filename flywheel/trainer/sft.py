@@ -184,11 +184,16 @@ def sft_backward(model: Any, examples: Sequence[SFTExample], *, pad_id: int,
         if root is None:
             loss, _n, right = completion_loss(model, collate(chunk, pad_id))
         else:
+            # Only the columns where some example has a target are scored: a multi-turn
+            # demonstration's conversation before its reply is context, not target.
+            labels = [e.labels[n:] for e in chunk]
+            columns = sorted({c for row in labels for c, y in enumerate(row) if y != IGNORE})
+            if not columns:
+                continue
             logp, hits = completion_scores(model, root, [e.input_ids[n:] for e in chunk],
-                                           pad_id, 1.0, hits=True)               # [b, S]
-            mask = torch.zeros_like(logp, dtype=torch.bool)
-            for j, e in enumerate(chunk):
-                mask[j, :len(e.labels) - n] = torch.tensor(e.labels[n:]) != IGNORE
+                                           pad_id, 1.0, hits=True, columns=columns)  # [b, C]
+            mask = torch.tensor([[c < len(row) and row[c] != IGNORE for c in columns]
+                                 for row in labels], dtype=torch.bool, device=logp.device)
             loss = -torch.where(mask, logp, torch.zeros_like(logp)).sum()
             right = int((mask & hits).sum()) if hits is not None else 0
         (loss / total).backward()  # type: ignore[no-untyped-call]
