@@ -262,3 +262,68 @@ def test_correction_breaking_its_tool_schema_is_unverifiable() -> None:
                        _fn("delete_all_tickets", {})]}})
     task = build_task(unsafe, classify_failure(unsafe, expected_calls(unsafe)[0]))  # type: ignore[index]
     assert isinstance(task, Unverifiable) and "unsafe" in task.reason
+
+
+def _conversation(*requests: tuple[str, list[dict[str, Any]], str]) -> list[dict[str, Any]]:
+    """(user request, calls as (name, arguments) dicts, answer) per request."""
+    items: list[dict[str, Any]] = []
+    for r, (text, calls, answer) in enumerate(requests):
+        items.append({"type": "message", "role": "user", "content": text})
+        for n, call in enumerate(calls):
+            items += [{"type": "function_call", "call_id": f"r{r}c{n}", "name": call["name"],
+                       "arguments": json.dumps(call["arguments"])},
+                      {"type": "function_call_output", "call_id": f"r{r}c{n}", "output": "ok",
+                       "status": "ok"}]
+        items.append({"type": "message", "role": "assistant", "content": answer})
+    return items
+
+
+W_OSLO = {"name": "get_weather", "arguments": OSLO}
+W_LIMA = {"name": "get_weather", "arguments": LIMA}
+TICKET = {"name": "create_ticket", "arguments": {"title": "printer"}}
+PATH = {"human_intervention": {"corrected_items": [
+    _fn("get_weather", OSLO), _fn("get_weather", LIMA, 1),
+    _fn("create_ticket", {"title": "printer"}, 2)]}}
+
+
+def _mined(items: list[dict[str, Any]], outcome: dict[str, Any]) -> TaskSpec | Unverifiable:
+    failed = _traj(items, outcome=outcome)
+    found = expected_calls(failed)
+    assert found is not None
+    return build_task(failed, classify_failure(failed, found[0]))
+
+
+@pytest.mark.parametrize("second", [
+    ([], "Done, that is taken care of."),                                # stopped short
+    ([{"name": "get_weather", "arguments": {"city": "Lim"}}], "Cloudy."),  # a wrong argument
+])
+def test_a_conversation_failed_in_its_second_request_expects_that_requests_call_there(
+        second: tuple[list[dict[str, Any]], str]) -> None:
+    """A whole-conversation path (no turn boundaries): the failed request is the one whose
+    calls left the path while the others' are the path's; the task is put after the
+    conversation before that decision and expects that request's calls alone — never the
+    later requests' (before: the first request's prompt, all three calls expected)."""
+    calls, answer = second
+    task = _mined(_conversation(("Weather in Oslo?", [W_OSLO], "Sunny."),
+                                ("And in Lima?", calls, answer),
+                                ("Open a ticket: printer.", [TICKET], "Opened.")), PATH)
+    assert isinstance(task, TaskSpec) and isinstance(task.verifier, ToolCallSpec)
+    assert [(e.name, e.arguments) for e in task.verifier.expected] == [("get_weather", LIMA)]
+    assert [m["role"] for m in task.messages] == ["user", "assistant", "tool", "assistant",
+                                                  "user"]
+    assert task.messages[-1]["content"] == "And in Lima?"
+
+
+def test_a_conversation_whose_path_fits_two_requests_equally_is_unverifiable() -> None:
+    task = _mined(_conversation(("Weather in Oslo?", [], "Done."),
+                                ("And in Lima?", [], "Done.")),
+                  {"human_intervention": {"corrected_items": [_fn("get_weather", LIMA)]}})
+    assert isinstance(task, Unverifiable) and "requests that fit equally: #1 and #2" in task.reason
+
+
+def test_a_conversation_that_made_every_expected_call_fails_in_no_call() -> None:
+    task = _mined(_conversation(("Weather in Oslo?", [W_OSLO], "Sunny."),
+                                ("And in Lima?", [W_LIMA], "Snowing, probably.")),
+                  {"human_intervention": {"corrected_items": [
+                      _fn("get_weather", OSLO), _fn("get_weather", LIMA, 1)]}})
+    assert isinstance(task, Unverifiable) and "every expected call was made" in task.reason

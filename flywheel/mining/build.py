@@ -9,11 +9,25 @@ correction listing tool results) gives its turn of the same index; a plain list 
 (feedback, a calls-only correction) gives what is left after the calls the trajectory made
 in its earlier turns. A task whose own expected calls would not score 1.0 (a correction
 that breaks its tool's schema, names a tool not offered or an unsafe one) is unverifiable.
+
+A conversation of several user requests (and no blamed call with known turn boundaries) is
+placed by the whole path instead: the failed request is the one whose calls differ from
+the path while every other request's calls are the path's (those before it its start, those
+after it its end), so what lies between is that request's; where several requests fit, the
+one left the fewest path calls (a request that answered "done" without its call, with the
+path's calls of the other requests all made, is that request, not the next). Within it,
+the decision is the first turn off that part (or its answer, when it stopped early), and
+the task expects the rest of the part (with known boundaries, its turn). When no request
+fits, or two fit equally, the failure is unverifiable: a path without turn boundaries does
+not say which request the missing calls belonged to, and the calls of later requests are
+never expected of an earlier one. A conversation that made every expected call in order
+failed in no call: unverifiable as a tool_call task.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 import uuid
@@ -22,10 +36,11 @@ from typing import Any
 
 from flywheel.environments.calls import Call
 from flywheel.environments.scoring import verify_calls
-from flywheel.mining.classify import Classification, decision_start
+from flywheel.mining.classify import Classification, decision_start, parse_arguments
 from flywheel.mining.expected import Expected, call_turns, expected_actions, expected_calls
 from flywheel.tasks import (
     CodeSpec,
+    ExpectedCall,
     FailureMode,
     Split,
     TaskSpec,
@@ -147,20 +162,94 @@ def _tool_call_turn(t: Trajectory, c: Classification, found: Expected,
     """The context before the failing turn and the calls expected for it (module doc)."""
     turns = call_turns(t.items)
     start = decision_start(t)
-    first = next((n for n, turn in enumerate(turns) if turn[0] >= start), len(turns))
-    j = next((n for n, turn in enumerate(turns) if c.step in turn), first)
-    if found.explicit:
-        want = list(found.turns[j]) if j < len(found.turns) else []
+    users = [n for n, i in enumerate(t.items) if isinstance(i, MessageItem) and i.role == "user"]
+    if start == 0 and len(users) >= 2 and (c.step is None or not found.explicit):
+        located = _conversation_decision(t, users, turns, found)
+        if isinstance(located, Unverifiable):
+            return located
+        end, want = located
     else:
-        want = found.calls[sum(len(turn) for turn in turns[:j]):]
-    if not want:
-        return Unverifiable(f"the failing turn #{j + 1} has no expected counterpart")
+        first = next((n for n, turn in enumerate(turns) if turn[0] >= start), len(turns))
+        j = next((n for n, turn in enumerate(turns) if c.step in turn), first)
+        if found.explicit:
+            want = list(found.turns[j]) if j < len(found.turns) else []
+        else:
+            want = found.calls[sum(len(turn) for turn in turns[:j]):]
+        if not want:
+            return Unverifiable(f"the failing turn #{j + 1} has no expected counterpart")
+        end = turns[j][0] if j < len(turns) else max(_first_action(t), start)
     verifier = ToolCallSpec(expected=want, unsafe_tools=unsafe)
     broken = _self_check(verifier, tools)
     if broken:
         return Unverifiable(broken)
-    end = turns[j][0] if j < len(turns) else max(_first_action(t), start)
     return to_messages(t.items[:end]), verifier
+
+
+def _is_answer(item: Any) -> bool:
+    return isinstance(item, MessageItem) and item.role == "assistant"
+
+
+def _conversation_decision(t: Trajectory, users: list[int], turns: list[list[int]],
+                           found: Expected) -> tuple[int, list[ExpectedCall]] | Unverifiable:
+    """(item index of the failed decision, the calls expected there) of a conversation of
+    several requests, placed by the whole path (module doc), or why it cannot be."""
+    def call(n: int) -> tuple[str, Any]:
+        item = t.items[n]
+        assert isinstance(item, FunctionCallItem)
+        return item.name, parse_arguments(item.arguments)
+
+    path = [(e.name, e.arguments) for e in found.calls]
+    bounds = [0, *users[1:], len(t.items)]  # calls before the first request count in it
+    requests = [[[call(n) for n in turn] for turn in turns if lo <= turn[0] < hi]
+                for lo, hi in itertools.pairwise(bounds)]
+    flat = [[c for group in groups for c in group] for groups in requests]
+    if [c for r in flat for c in r] == path:
+        return Unverifiable("every expected call was made, in order: what failed is not a call "
+                            "(a tool_call task cannot check an answer)")
+    fits = []
+    for k in range(len(requests)):
+        head = [c for r in flat[:k] for c in r]
+        tail = [c for r in flat[k + 1:] for c in r]
+        if (len(head) + len(tail) <= len(path) and path[:len(head)] == head
+                and path[len(path) - len(tail):] == tail
+                and flat[k] != path[len(head):len(path) - len(tail)]):
+            fits.append((k, len(head), len(path) - len(tail)))
+    # Where several fit, the one the fewest path calls are left to (every other request's
+    # calls taken as the path's wherever they can be); a tie is not placed.
+    tightest = [f for f in fits if f[2] - f[1] == min((b - a for _, a, b in fits), default=0)]
+    if len(tightest) != 1:
+        which = " and ".join(f"#{k + 1}" for k, _, _ in tightest) or "none"
+        return Unverifiable(f"the expected calls do not place the failure in one of the "
+                            f"{len(users)} user requests (requests that fit equally: {which}); "
+                            "a later request's calls are never expected of an earlier one")
+    k, lo, hi = tightest[0]
+    part = path[lo:hi]
+    at, end = 0, None
+    for turn, group in zip((x for x in turns if bounds[k] <= x[0] < bounds[k + 1]),
+                           requests[k], strict=True):
+        if part[at:at + len(group)] != group:
+            end = turn[0]
+            break
+        at += len(group)
+    if end is None:  # every call of the request was the path's: it stopped short
+        after = max([bounds[k] - 1, *(x[-1] for x in turns if bounds[k] <= x[0] < bounds[k + 1])])
+        end = next((n for n in range(after + 1, bounds[k + 1])
+                    if _is_answer(t.items[n])), None)
+        if end is None:
+            return Unverifiable(f"request #{k + 1} stopped short of its expected calls "
+                                "without an answer to put the decision at")
+    want = found.calls[lo + at:hi]
+    if found.explicit:  # the turn that starts there (or the rest of the one it is inside)
+        offset = 0
+        for turn_calls in found.turns:
+            if offset + len(turn_calls) > lo + at:
+                want = list(turn_calls[lo + at - offset:])
+                break
+            offset += len(turn_calls)
+    if not want:
+        return Unverifiable(f"request #{k + 1} made calls past its expected ones; a tool_call "
+                            "task cannot expect an answer without a call")
+    return end, want
 
 
 def _self_check(verifier: ToolCallSpec, tools: list[dict[str, Any]]) -> str | None:
