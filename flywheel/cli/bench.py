@@ -204,6 +204,26 @@ def bench_episodes(
     print_result(run_episodes_bench(tasks=tasks, seed=seed), as_json)
 
 
+@bench_app.command("episode-learning")
+def bench_episode_learning(
+    seed: Annotated[int, typer.Option(help="Seed of the simulated helpdesk traffic.")] = 11,
+    holdout_tasks: Annotated[int, typer.Option(help="Holdout episodes rolled out.")] = 20,
+    samples: Annotated[int, typer.Option(help="Attempts per holdout episode.")] = 4,
+    sft_steps: Annotated[str, typer.Option(help="SFT checkpoints to evaluate, e.g. 12,24.")
+                         ] = "12,24",
+    base: Annotated[bool, typer.Option(help="Evaluate the base model first.")] = True,
+    as_json: JsonOpt = False,
+) -> None:
+    """Simulated helpdesk failures mined as episode tasks: holdout episode success of the
+    base model and after an SFT warm start on the train episodes' corrections and the
+    agent's successes, paired, with McNemar's p."""
+    from flywheel.bench.episode_learning import run_episode_learning
+
+    steps = tuple(int(x) for x in sft_steps.split(",") if x.strip())
+    print_result(run_episode_learning(seed=seed, holdout_tasks=holdout_tasks, samples=samples,
+                                      sft_steps=steps, base=base), as_json)
+
+
 @bench_app.command("gpu", context_settings={"allow_extra_args": True,
                                            "ignore_unknown_options": True})
 def bench_gpu(ctx: typer.Context) -> None:
