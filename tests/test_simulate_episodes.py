@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -15,11 +16,14 @@ from typing import Any
 
 import pytest
 
+from flywheel.bench.episode_learning import split_episodes
 from flywheel.bench.episodes import mine_failure, paired_tasks
 from flywheel.demo import simulate_episodes as desk
 from flywheel.demo.simulate import _Session, simulate
 from flywheel.environments.toolset import ToolsetEnvironment
 from flywheel.environments.workplace_world import apply_call
+from flywheel.mining.build import split_of
+from flywheel.mining.demos import Candidate, Demonstration, HeldOut, holdout_episode_prompt
 from flywheel.mining.mine_batch import MineStats
 from flywheel.policy.chat_format import ChatFormat, load_chat_format
 from flywheel.policy.model_cache import resolve_model_dir
@@ -148,3 +152,57 @@ def test_the_episode_bench_pairs_each_failure_mined_both_ways(workplace: Registr
         # The same conversation (where each cuts it is its own rule).
         assert single.messages[:2] == episode.messages[:2]
         assert single.messages[1]["role"] == "user"
+
+
+def test_episode_learning_never_teaches_a_holdout_session(workplace: Registration) -> None:
+    """`flywheel bench episode-learning`'s split: holdout episodes by the miner's fingerprint
+    split, and no demonstration (a correction's or a success's turn) from a session that holds
+    one — a held-out conversation's own right turns would be shown to SFT otherwise."""
+    train, holdout, demos, counts = split_episodes(workplace, 1600, 11, 0.2)
+    assert counts["episodes_train"] == len(train) and counts["episodes_holdout"] == len(holdout)
+    assert len(holdout) >= 10 and len(train) >= 3 * len(holdout)
+    assert all(split_of(t.fingerprint, 0.2) == "holdout" for t in holdout)
+    assert not {t.fingerprint for t in train} & {t.fingerprint for t in holdout}
+    assert counts["demonstrations"]["from_corrections"] > 0
+    assert counts["demonstrations"]["from_successes"] > 0
+    logs = [parse_trajectory(r) for r in simulate(1600, agents=4, failure_rate=0.4, seed=11)
+            if r["agent"] == desk.AGENT]
+    held_prompts = {json.dumps(t.messages) for t in holdout}
+    held_sessions = set()
+    for t in (t for t in logs if not t.is_success):
+        task = mine_failure(t, logs, [workplace], MineStats())
+        if isinstance(task, TaskSpec) and json.dumps(task.messages) in held_prompts:
+            held_sessions.add(t.session_id)
+    assert len(held_sessions) >= len(holdout) // 2
+    by_id = {t.trajectory_id: t.session_id for t in logs}
+    assert all(by_id[d.source_trajectory_id] not in held_sessions for d in demos)
+
+
+def test_a_demonstration_continuing_a_holdout_episode_prompt_is_refused(
+        workplace: Registration) -> None:
+    """Another session's turn whose prompt starts with a holdout episode's prompt (call ids
+    drawn anew, whitespace aside) teaches that very conversation: `HeldOut` refuses it; a
+    prompt that differs in one argument is another question and is admitted."""
+    _train, holdout, _demos, _counts = split_episodes(workplace, 1600, 11, 0.2)
+    task = next(t for t in holdout if any(m.get("tool_calls") for m in t.messages))
+    entry = holdout_episode_prompt(task)
+    assert entry is not None
+    held = HeldOut(episode_prompts=frozenset({entry}))
+
+    def demo(messages: list[dict[str, Any]]) -> Demonstration:
+        return Demonstration(messages=messages, tools=[dict(t) for t in task.tools],
+                             reply={"role": "assistant", "content": "Done."},
+                             source_trajectory_id=uuid.uuid4(), fingerprint="f" * 64,
+                             env="toolset")
+
+    same = json.loads(json.dumps(task.messages).replace("call_", "call_x"))
+    same[-1]["content"] = "  " + same[-1]["content"] + " "
+    later = [*same, {"role": "assistant", "content": "On it."},
+             {"role": "user", "content": "And one more thing."}]
+    assert not held.admits(Candidate(demo(same), (uuid.uuid4(),), ()))
+    assert not held.admits(Candidate(demo(later), (uuid.uuid4(),), ()))
+    other = json.loads(json.dumps(task.messages))
+    call = next(m for m in other if m.get("tool_calls"))["tool_calls"][0]["function"]
+    call["arguments"] = json.dumps({**json.loads(call["arguments"]), "zzz": 1})
+    assert held.admits(Candidate(demo(other), (uuid.uuid4(),), ()))
+    assert held.admits(Candidate(demo(same[:-1]), (uuid.uuid4(),), ()))  # shorter: no leak

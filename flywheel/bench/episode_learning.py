@@ -35,7 +35,13 @@ from flywheel.demo import simulate_episodes as desk
 from flywheel.demo.simulate import simulate
 from flywheel.environments.toolset import ToolsetEnvironment
 from flywheel.mining.build import split_of
-from flywheel.mining.demos import Demonstration, from_turn
+from flywheel.mining.demos import (
+    Candidate,
+    Demonstration,
+    HeldOut,
+    from_turn,
+    holdout_episode_prompt,
+)
 from flywheel.mining.episode_demos import (
     corrected_episode_demonstrations,
     success_episode_demonstrations,
@@ -65,17 +71,25 @@ def split_episodes(reg: Registration, records: int, seed: int, holdout_fraction:
             side = holdout if split_of(task.fingerprint, holdout_fraction) == "holdout" else train
             side.append((task, t))
     held_sessions = {t.session_id for _, t in holdout}
-    demos = [from_turn(x) for task, t in train
+    demos = [from_turn(x) for task, t in train if t.session_id not in held_sessions
              for x in corrected_episode_demonstrations(task, t)]
-    corrected = len(demos)
-    demos += [from_turn(x) for t in logs if t.is_success and t.session_id not in held_sessions
-              for x in success_episode_demonstrations(t, [reg]) or []]
+    successes = [from_turn(x) for t in logs if t.is_success and t.session_id not in held_sessions
+                 for x in success_episode_demonstrations(t, [reg]) or []]
+    # The trainer's holdout guard: no demonstration continuing a holdout episode's prompt.
+    held = HeldOut(episode_prompts=frozenset(p for x, _ in holdout
+                                             if (p := holdout_episode_prompt(x)) is not None))
+    kept = [d for d in demos if held.admits(Candidate(d, (d.source_trajectory_id,), ()))]
+    kept_successes = [d for d in successes
+                      if held.admits(Candidate(d, (d.source_trajectory_id,), ()))]
+    refused = len(demos) + len(successes) - len(kept) - len(kept_successes)
+    corrected, demos = len(kept), kept + kept_successes
     counts = {"logs": len(logs), "failed": sum(1 for t in logs if not t.is_success),
               "episodes_train": len(train), "episodes_holdout": len(holdout),
               "holdout_modes": dict(Counter(x.failure_mode for x, _ in holdout)),
               "unverifiable": dict(stats.episode_unverifiable),
               "demonstrations": {"from_corrections": corrected,
-                                 "from_successes": len(demos) - corrected}}
+                                 "from_successes": len(demos) - corrected,
+                                 "refused_continuing_a_holdout_prompt": refused}}
     return [x for x, _ in train], [x for x, _ in holdout], demos, counts
 
 

@@ -47,6 +47,7 @@ from flywheel.mining.build import (
 from flywheel.mining.classify import parse_arguments
 from flywheel.mining.episode_demos import (
     TurnDemo,
+    conversation_key,
     corrected_episode_demonstrations,
     success_episode_demonstrations,
 )
@@ -117,10 +118,17 @@ class HeldOut:
     """The miner's fraction: also refuse fingerprints it would split into holdout later."""
     reserve_share: float = 0.0
     """`trainer.sft_reserve_share`: refuse the fingerprints `reserved_for_grpo` keeps."""
+    episode_prompts: frozenset[tuple[int, str]] = frozenset()
+    """(messages, `conversation_key`) of every holdout episode's prompt: a demonstration whose
+    prompt starts with one is refused — whichever session logged it, it shows the policy a
+    right turn of that very conversation (an episode task's fingerprint holds its verifier,
+    a demonstration's the conversation's opening, so fingerprints alone never meet)."""
 
     def admits(self, c: Candidate) -> bool:
         fp = c.demo.fingerprint
         if fp in self.fingerprints or self.trajectories.intersection(c.sources):
+            return False
+        if self.episode_prompts and self._continues_a_holdout_episode(c.demo):
             return False
         if self.requests.intersection(c.requests):
             return False
@@ -128,6 +136,21 @@ class HeldOut:
             return False
         return not (self.holdout_fraction is not None
                     and split_of(fp, self.holdout_fraction) == "holdout")
+
+
+    def _continues_a_holdout_episode(self, demo: Demonstration) -> bool:
+        tools = demo.tools or []
+        return any(n <= len(demo.messages)
+                   and (n, conversation_key(demo.messages[:n], tools)) in self.episode_prompts
+                   for n in {n for n, _ in self.episode_prompts})
+
+
+def holdout_episode_prompt(task: TaskSpec) -> tuple[int, str] | None:
+    """The `HeldOut.episode_prompts` entry of a holdout task (None: not an episode)."""
+    if not isinstance(task.verifier, EpisodeSpec):
+        return None
+    messages = [dict(m) for m in task.messages]
+    return len(messages), conversation_key(messages, [dict(t) for t in task.tools])
 
 
 def reserved_for_grpo(fp: str, share: float) -> bool:
@@ -220,7 +243,8 @@ def select(candidates: Iterable[Candidate], held: HeldOut, *,
 # -- Postgres --------------------------------------------------------------------------------
 
 _HOLDOUT = text("""
-SELECT t.fingerprint, t.expected_from, s.trajectory_id, coalesce(f.record, tr.record) AS record
+SELECT t.fingerprint, t.expected_from, s.trajectory_id, coalesce(f.record, tr.record) AS record,
+       t.spec
 FROM tasks t
 LEFT JOIN task_sources s ON s.task_id = t.task_id
 LEFT JOIN failures f ON f.trajectory_id = s.trajectory_id
@@ -301,15 +325,20 @@ async def held_out(conn: AsyncConnection, holdout_fraction: float | None = None)
     fps: set[str] = set()
     trajectories: set[uuid.UUID] = set()
     requests: set[Request] = set()
-    for fp, expected_from, source, record in (await conn.execute(_HOLDOUT)).all():
+    prompts: set[tuple[int, str]] = set()
+    for fp, expected_from, source, record, spec in (await conn.execute(_HOLDOUT)).all():
         fps.add(fp)
+        if isinstance(spec, dict) and spec.get("env") == "toolset":
+            prompt = holdout_episode_prompt(TaskSpec.model_validate(spec))
+            if prompt is not None:
+                prompts.add(prompt)
         if source is not None:
             trajectories.add(source)
         if expected_from.startswith("retry:"):
             trajectories.add(uuid.UUID(expected_from.removeprefix("retry:")))
         requests.update(_request(record))
     return HeldOut(frozenset(fps), frozenset(trajectories), frozenset(requests),
-                   holdout_fraction)
+                   holdout_fraction, episode_prompts=frozenset(prompts))
 
 
 async def load_demonstrations(conn: AsyncConnection, *, limit: int | None = None,

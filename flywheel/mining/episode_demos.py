@@ -63,6 +63,23 @@ def assistant_reply(calls: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, An
                               for name, args in calls])
 
 
+def conversation_key(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]]) -> str:
+    """What a prompt shows the policy, whatever session logged it: roles, texts, the calls
+    made (names and parsed arguments) and the tool names — not the call ids, which every
+    session draws anew. Two prompts with the same key are the same question to the policy
+    (the holdout guard of episode demonstrations, `mining.demos.HeldOut`)."""
+    def call(c: dict[str, Any]) -> list[Any]:
+        fn = c.get("function") or {}
+        raw = fn.get("arguments")
+        args = parse_arguments(raw) if isinstance(raw, str) else raw
+        return [fn.get("name"), raw if args is None else args]
+
+    body = [[m.get("role"), " ".join(str(m.get("content") or "").split()),
+             [call(c) for c in m.get("tool_calls") or []]] for m in messages]
+    canon = {"messages": body, "tools": sorted(str(t.get("name")) for t in tools)}
+    return hashlib.sha256(json.dumps(canon, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def episode_key(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]]) -> str:
     """The identity of an episode's opening: environment, prompt messages and tool names."""
     body = {"env": ENV, "messages": list(messages),
