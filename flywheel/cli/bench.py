@@ -212,16 +212,20 @@ def bench_episode_learning(
     sft_steps: Annotated[str, typer.Option(help="SFT checkpoints to evaluate, e.g. 12,24.")
                          ] = "12,24",
     base: Annotated[bool, typer.Option(help="Evaluate the base model first.")] = True,
+    grpo_steps: Annotated[int, typer.Option(help="GRPO steps after the last SFT checkpoint."
+                                            )] = 0,
+    grpo_batch: Annotated[int, typer.Option(help="Groups per GRPO step.")] = 2,
     as_json: JsonOpt = False,
 ) -> None:
     """Simulated helpdesk failures mined as episode tasks: holdout episode success of the
-    base model and after an SFT warm start on the train episodes' corrections and the
-    agent's successes, paired, with McNemar's p."""
+    base model, after an SFT warm start on the train episodes' corrections and the agent's
+    successes, and after GRPO on the train episodes, paired, with McNemar's p."""
     from flywheel.bench.episode_learning import run_episode_learning
 
     steps = tuple(int(x) for x in sft_steps.split(",") if x.strip())
     print_result(run_episode_learning(seed=seed, holdout_tasks=holdout_tasks, samples=samples,
-                                      sft_steps=steps, base=base), as_json)
+                                      sft_steps=steps, base=base, grpo_steps=grpo_steps,
+                                      grpo_batch=grpo_batch), as_json)
 
 
 @bench_app.command("gpu", context_settings={"allow_extra_args": True,
