@@ -226,9 +226,10 @@ class TrainerSettings(BaseModel):
     follower waiting; rank 0 pings its followers while idle, every sixth of it)."""
     micro_batch: int | None = Field(default=None, ge=1)
     """Completions of one prompt per forward/backward (memory bound); each prompt runs once
-    per step and the step is over the whole batch. Unset: 4 on the CPU; on a GPU as many as
-    fit half of its free memory at that step (`flywheel.policy.memory.train_rows`, an upper
-    estimate of the activations)."""
+    per step and the step is over the whole batch. Unset: on a GPU as many as fit half of its
+    free memory at that step (`flywheel.policy.memory.train_rows`, an upper estimate of the
+    activations); 4 on the CPU, fewer when half of the memory available then would not hold
+    4 (long multi-turn prompts)."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Weights the trainer computes with: `auto` = bf16 on a CUDA GPU that supports it (the
     LoRA parameters, optimizer state, output head, log-probs, importance ratios and loss

@@ -154,3 +154,26 @@ def test_gradient_checkpointing_gives_the_same_gradient(
         assert a.grad is not None and b.grad is not None, name
         assert float((a.grad - b.grad).norm() / a.grad.norm()) <= 1e-4, name
     fp32.optimizer.zero_grad(set_to_none=True)
+
+
+def test_cpu_micro_batches_shrink_where_memory_is_short(
+        pair: tuple[LoRATrainer, LoRATrainer], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset on the CPU: 4, or fewer when half of the memory available would not hold 4
+    rows — a multi-turn demonstration keeps every token after the shared prefix (~1.6 MB a
+    token for SmolLM2-135M), so 4 rows of 800 tokens need ~5 GB."""
+    from flywheel.policy.memory import train_rows
+    from flywheel.trainer import engine
+
+    auto = _trainer(model_dir_for_tests(), "auto", micro_batch=None)
+    monkeypatch.setattr(engine, "available_bytes", lambda: 64 * 2**30)
+    assert auto.micro_rows(1000, 800) == 4
+    # Just enough for 2 rows of an 800-token conversation after a 1,000-token prefix.
+    two = 2.0**20
+    while train_rows(two * 0.5, auto.shape, prompt_tokens=1000, completion_tokens=800,
+                     dtype_bytes=4) < 2:
+        two *= 1.1
+    monkeypatch.setattr(engine, "available_bytes", lambda: int(two))
+    assert auto.micro_rows(1000, 800) == 2      # a conversation after the prefix
+    assert auto.micro_rows(1000, 40) == 4       # a short reply after it
+    monkeypatch.setattr(engine, "available_bytes", lambda: None)
+    assert auto.micro_rows(1000, 800) == 4      # memory unknown: as before

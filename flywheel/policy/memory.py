@@ -50,6 +50,19 @@ class ModelShape:
         return self.layers * (attn + mlp) + 2 * self.vocab * self.hidden
 
 
+def available_bytes() -> int | None:
+    """The memory the kernel says is available to a new allocation (`MemAvailable` in
+    /proc/meminfo), None where that cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def engine_rows(budget_bytes: float, shape: ModelShape, tokens_per_row: int, *,
                 dtype_bytes: int, floor: int = 1, cap: int = 1024) -> int:
     """Rows the local engine may decode in one forward within `budget_bytes`.

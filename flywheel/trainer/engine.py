@@ -28,7 +28,7 @@ from flywheel.events import GroupScoredPayload
 from flywheel.mining.demos import Demonstration
 from flywheel.policy.chat_format import ChatFormat, load_chat_format
 from flywheel.policy.logprobs import token_logprobs
-from flywheel.policy.memory import ModelShape, train_rows
+from flywheel.policy.memory import ModelShape, available_bytes, train_rows
 from flywheel.policy.precision import allow_tf32, compute_dtype, to_low_precision
 from flywheel.trainer.grpo import GRPOConfig, group_advantages, grpo_loss, pad_batch
 from flywheel.trainer.prefix import (
@@ -118,10 +118,11 @@ class LoRATrainer:
     output head (`flywheel.policy.precision.Fp32Head`: logits, hence log-probs, from an fp32
     product), the log-probs (`token_logprobs`), importance ratios and the GRPO loss
     (`grpo_loss` upcasts). TF32 is allowed for the fp32 products left (LoRA). On the CPU
-    nothing changes: fp32 throughout, `micro_batch` 4.
+    nothing changes: fp32 throughout, `micro_batch` 4 (fewer only where memory is short).
 
     `micro_batch` None sizes micro-batches from the GPU's free memory at every step
-    (`flywheel.policy.memory.train_rows`, half of what is free); 4 on the CPU.
+    (`flywheel.policy.memory.train_rows`, half of what is free); 4 on the CPU, or fewer
+    when half of the memory available would not hold 4.
     `gradient_checkpointing` recomputes each layer in the backward instead of keeping its
     activations; the shared-prompt cut needs the keys/values cache, which a checkpointed
     layer drops, so every sequence then runs in full. `base_model`: an fp32 causal LM
@@ -173,12 +174,20 @@ class LoRATrainer:
             self.steps = int(state["steps"])
 
     def micro_rows(self, prompt_tokens: int, completion_tokens: int) -> int:
-        """Completions per forward/backward: the setting, else 4 on the CPU, else what fits
-        half of the GPU's free memory now (`train_rows`)."""
+        """Completions per forward/backward: the setting, else what fits half of the GPU's
+        free memory now (`train_rows`); on the CPU 4, fewer when half of the memory
+        available now would not hold 4 (a multi-turn demonstration keeps ~1.6 MB a token
+        of SmolLM2-135M's activations: 4 rows of 800 tokens are ~5 GB)."""
         if self.micro_batch is not None:
             return self.micro_batch
         if self.device.type != "cuda":
-            return 4
+            available = available_bytes()
+            if available is None:
+                return 4
+            return min(4, train_rows(available * 0.5, self.shape, prompt_tokens=prompt_tokens,
+                                     completion_tokens=completion_tokens,
+                                     dtype_bytes=torch.finfo(self.dtype).bits // 8,
+                                     checkpointing=self.gradient_checkpointing))
         free, _ = torch.cuda.mem_get_info(self.device)
         return train_rows(free * 0.5, self.shape, prompt_tokens=prompt_tokens,
                           completion_tokens=completion_tokens,
@@ -348,10 +357,17 @@ class LoRATrainer:
         try:
             longest = max((len(e.input_ids) for e in examples), default=1)
             target = max((e.target_len for e in examples), default=1)
+            share = not self.gradient_checkpointing
+            # What the pass holds: with a shared prefix, every token after it keeps its
+            # activations (a multi-turn demonstration's conversation, not only its reply).
+            shared = shared_prefix_len([e.input_ids[:len(e.input_ids) - e.target_len]
+                                        for e in examples]) if share else 0
+            rows = (self.micro_rows(shared, longest - shared) if share
+                    else self.micro_rows(longest - target, target))
             metrics = sft_step(self.model, self.optimizer, examples, pad_id=self.pad_id,
-                               micro_batch=self.micro_rows(longest - target, target),
+                               micro_batch=rows,
                                grad_clip=self.grad_clip,
-                               share_prefix=not self.gradient_checkpointing, ranks=self.ranks)
+                               share_prefix=share, ranks=self.ranks)
         finally:
             for g, old in zip(self.optimizer.param_groups, saved, strict=True):
                 g["lr"] = old
