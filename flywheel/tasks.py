@@ -185,7 +185,8 @@ class EpisodeSpec(_Frozen):
       more than `max_repeats` times (a loop), or an episode that stopped before answering
       the last scripted user turn;
     * success (1.0) iff every check holds: the end state equals the state `reference_calls`
-      reach from `initial_state` on a fresh session (`check_state`; canonicalised: keys in
+      reach from `initial_state` on a fresh session (`check_state`; with `reference_turns`
+      the state at each scripted user turn too; canonicalised: keys in
       `state_ignore` dropped at any depth, lists compared in any order with
       `state_unordered`), every `required_calls` entry was made (a multiset), every
       `expected_results` text is among the episode's tool results, every `answer_contains`
@@ -205,6 +206,13 @@ class EpisodeSpec(_Frozen):
     reference_calls: list[ExpectedCall] = Field(default_factory=list)
     """The whole right path from `initial_state` (its prefix is `setup`)."""
     check_state: bool = False
+    reference_turns: list[int] = Field(default_factory=list)
+    """With `check_state`, where the right path stands when each scripted user turn is given:
+    how many of `reference_calls` it has made by then (one count per `user_turns`, from
+    the correction's own user messages). The state when the agent answers each earlier
+    turn is then compared with the reference path's state at that point, as the end state
+    is: a later change to the same object cannot hide an earlier turn's missing or wrong
+    work. Empty: the end state alone."""
     state_ignore: list[str] = Field(default_factory=list)
     state_unordered: bool = True
     required_calls: list[ExpectedCall] = Field(default_factory=list)
@@ -219,6 +227,13 @@ class EpisodeSpec(_Frozen):
         if self.check_state and not self.reference_calls:
             raise ValueError("an episode that checks its end state needs reference_calls "
                              "(the path whose end state is the reference)")
+        if self.reference_turns and not (
+                self.check_state and len(self.reference_turns) == len(self.user_turns)
+                and self.reference_turns == sorted(self.reference_turns)
+                and 0 <= self.reference_turns[0]
+                and self.reference_turns[-1] <= len(self.reference_calls)):
+            raise ValueError("reference_turns needs check_state and one non-decreasing count "
+                             "of reference calls (at most all of them) per scripted user turn")
         if not (self.check_state or self.required_calls or self.expected_results
                 or self.answer_contains):
             raise ValueError("an episode task needs an end-state check, required calls, "

@@ -205,3 +205,41 @@ async def test_a_mined_episode_is_won_by_the_right_path_and_lost_by_the_logged_o
     assert [r.reward for r in won.rollouts] == [1.0, 1.0]
     assert all(r.reward is not None and r.reward < 1.0 for r in lost.rollouts)
     assert lost.rollouts[0].reason == "the end state differs from the reference end state"
+
+
+async def test_the_state_at_each_user_turn_catches_work_made_up_later(
+        fmt: ChatFormat, workplace: Registration) -> None:
+    """End-state grading's blind spot: "filed" said in turn 1 without the ticket, then filed
+    and assigned in turn 2, ends in the right state. With `reference_turns` the state when
+    turn 1 was answered is compared with the right path's there, and that episode fails;
+    the path done turn by turn passes either way."""
+    assign = ExpectedCall(name="tickets_update", arguments={"ticket_id": "tkt-1",
+                                                           "assignee": "ana"})
+    right = [CREATE, "Filed.", tool_call("tickets_update", ticket_id="tkt-1", assignee="ana"),
+             "Assigned."]
+    late = ["Filed.", CREATE, tool_call("tickets_update", ticket_id="tkt-1", assignee="ana"),
+            "Assigned."]
+    catalog = Catalog.of([workplace])
+    env = ToolsetEnvironment(catalog)
+    got = {}
+    try:
+        for turns in ([], [1]):
+            task = _task(workplace, user_turns=["Now assign it to ana."], reference_turns=turns)
+            task = task.model_copy(update={"verifier": task.verifier.model_copy(update={
+                "reference_calls": [*task.verifier.reference_calls, assign]})})  # type: ignore[union-attr]
+            for name, replies in (("right", right), ("late", late)):
+                out = await run_group(Scripted(_script(*replies), fmt), task, env,
+                                      GroupConfig(group_size=1, rollout_timeout_s=30,
+                                                  max_steps=6, min_scored=1),
+                                      adapter=None, seed=0, group_key=f"{name}{turns}")
+                got[name, len(turns)] = out.rollouts[0]
+    finally:
+        await catalog.aclose()
+    assert got["right", 0].reward == got["right", 1].reward == 1.0
+    assert got["late", 0].reward == 1.0  # the end state alone cannot tell
+    late_checked = got["late", 1]
+    assert late_checked.reward is not None and late_checked.reward < 1.0
+    assert late_checked.reason == ("the state after user turn 1 differs from the reference's "
+                                   "at that point")
+    with pytest.raises(ValueError, match="reference_turns"):
+        _task(workplace, user_turns=["Now assign it to ana."], reference_turns=[2])

@@ -264,3 +264,29 @@ def test_a_correction_with_the_whole_path_demonstrates_every_turn(
     assert demos[0].messages == task.messages
     assert demos[2].messages[-1] == {"role": "user", "content": THEN}
     assert demos[3].messages[-1]["content"] == "sent"
+
+
+def test_where_the_right_path_stands_at_each_later_user_turn() -> None:
+    """`reference_turns` from the path's own items: calls before each later user message,
+    else by the answers that ended the requests before them; nothing when they disagree."""
+    from flywheel.mining.episodes import _turn_counts
+    from flywheel.trajectory import FunctionCallItem, MessageItem
+
+    def call(name: str) -> FunctionCallItem:
+        return FunctionCallItem(call_id=name, name=name, arguments="{}")
+
+    def say(role: str, text: str) -> MessageItem:
+        return MessageItem(role=role, content=text)
+
+    with_users = [call("a"), say("assistant", "A."), say("user", "two"), call("b"),
+                  call("c"), say("assistant", "B."), say("user", "three"), call("d"),
+                  say("assistant", "C.")]
+    assert _turn_counts(with_users, ["two", "three"], 4, 0) == [1, 3]
+    assert _turn_counts(with_users, ["three"], 4, 2) == [5]           # path from turn 2 on
+    assert _turn_counts(with_users, ["two", "four"], 4, 0) == []      # other requests
+    assert _turn_counts(with_users, ["two", "three"], 5, 0) == []     # not the path's calls
+    answers_only = [i for i in with_users if not (isinstance(i, MessageItem)
+                                                  and i.role == "user")]
+    assert _turn_counts(answers_only, ["two", "three"], 4, 0) == [1, 3]
+    assert _turn_counts(answers_only, ["three"], 4, 0) == [3]
+    assert _turn_counts(answers_only[:-1], ["two", "three"], 4, 0) == []  # too few answers

@@ -71,11 +71,16 @@ def test_simulated_failures_mine_into_episodes_by_failure_mode_and_unverifiable_
             if r["agent"] == desk.AGENT]
     failed = [t for t in logs if not t.is_success]
     stats, modes = MineStats(), Counter[str]()
+    per_turn = 0
     for t in failed:
         task = mine_failure(t, logs, [workplace], stats)
         if isinstance(task, TaskSpec) and isinstance(task.verifier, EpisodeSpec):
             modes[task.failure_mode] += 1
+            per_turn += bool(task.verifier.reference_turns)
     unverifiable = stats.episode_unverifiable
+    # Episodes with later user turns whose correction or retry shows where each request
+    # ended check the state at each of those turns (36 of them at this seed).
+    assert per_turn >= 30
     print(f"{len(logs)} logs, {len(failed)} failed: {stats.episodes} episodes "
           f"{dict(modes)}; unverifiable {dict(unverifiable)}")
     # Each failure is an episode or is counted with its reason; none is dropped or guessed.

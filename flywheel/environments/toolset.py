@@ -134,6 +134,10 @@ class _Open:
     spec: ToolsetSpec | EpisodeSpec
     reference: dict[str, Any] | None = None
     answers: list[str] = field(default_factory=list)
+    turn_references: list[dict[str, Any]] = field(default_factory=list)
+    """The reference path's state at each scripted user turn (`EpisodeSpec.reference_turns`)."""
+    turn_states: list[dict[str, Any] | None] = field(default_factory=list)
+    """The episode's state when the agent answered each earlier user turn."""
 
 
 def _spec(spec: AnySpec) -> ToolsetSpec | EpisodeSpec:
@@ -142,9 +146,10 @@ def _spec(spec: AnySpec) -> ToolsetSpec | EpisodeSpec:
     return expect_spec(spec, ToolsetSpec, "toolset")  # raises, naming the mismatch
 
 
-def _reference_key(runtime: ToolsetRuntime, spec: EpisodeSpec) -> str:
+def _reference_key(runtime: ToolsetRuntime, spec: EpisodeSpec, upto: int | None = None) -> str:
+    calls = spec.reference_calls[:upto] if upto is not None else spec.reference_calls
     body = {"initial": spec.initial_state,
-            "calls": [{"name": c.name, "arguments": c.arguments} for c in spec.reference_calls]}
+            "calls": [{"name": c.name, "arguments": c.arguments} for c in calls]}
     return f"{runtime.name}@{runtime.registration.version}:{_canonical(body)}"
 
 
@@ -175,15 +180,17 @@ class ToolsetEnvironment(Environment):
             return verify_episode(ts, output, tools)
         return verify_toolset(ts, output, tools)
 
-    async def _reference(self, runtime: ToolsetRuntime, spec: EpisodeSpec
-                         ) -> dict[str, Any] | RolloutNotRun | None:
-        """The reference end state of an episode task (cached per toolset version). A path
-        that does not run is the task's fault, not the model's: its attempts are not run."""
+    async def _reference(self, runtime: ToolsetRuntime, spec: EpisodeSpec,
+                         upto: int | None = None) -> dict[str, Any] | RolloutNotRun | None:
+        """The reference end state of an episode task (cached per toolset version); with
+        `upto`, the state after that many reference calls. A path that does not run is the
+        task's fault, not the model's: its attempts are not run."""
         if not spec.check_state:
             return None
-        key = _reference_key(runtime, spec)
+        key = _reference_key(runtime, spec, upto)
         if key not in self._references:
-            calls = [{"name": c.name, "arguments": c.arguments} for c in spec.reference_calls]
+            path = spec.reference_calls[:upto] if upto is not None else spec.reference_calls
+            calls = [{"name": c.name, "arguments": c.arguments} for c in path]
             try:
                 found: dict[str, Any] | RolloutNotRun | None = await runtime.end_state(
                     spec.initial_state, calls)
@@ -206,12 +213,19 @@ class ToolsetEnvironment(Environment):
         except RolloutNotRun as err:
             return [err for _ in session_ids]
         reference: dict[str, Any] | None = None
+        turns: list[dict[str, Any]] = []
         if isinstance(ts, EpisodeSpec):
             # Before the group's sessions take their slots: the reference needs one too.
             found = await self._reference(runtime, ts)
             if isinstance(found, RolloutNotRun):
                 return [found for _ in session_ids]
             reference = found
+            for upto in ts.reference_turns:
+                at = await self._reference(runtime, ts, upto)
+                if isinstance(at, RolloutNotRun):
+                    return [at for _ in session_ids]
+                if at is not None:
+                    turns.append(at)
         match = schema_matcher(runtime.registration)
         setup = ts.setup if isinstance(ts, EpisodeSpec) else []
         # A key of its own per attempt: a retried group reuses its session ids.
@@ -228,7 +242,7 @@ class ToolsetEnvironment(Environment):
             if sid in self._open:
                 await runtime.close_session(session)
                 raise ValueError(f"toolset: session {sid!r} is already open")
-            self._open[sid] = _Open(runtime, session, ts, reference)
+            self._open[sid] = _Open(runtime, session, ts, reference, turn_references=turns)
             out.append(None)
         return out
 
@@ -260,7 +274,11 @@ class ToolsetEnvironment(Environment):
         if not isinstance(ep.spec, EpisodeSpec) or not answer.strip():
             return None  # an empty answer ends the episode: nothing to reply to
         given = len(ep.answers) - 1
-        return ep.spec.user_turns[given] if given < len(ep.spec.user_turns) else None
+        if given >= len(ep.spec.user_turns):
+            return None
+        if ep.turn_references:  # the state this turn left, before the next request
+            ep.turn_states.append(await ep.session.snapshot())
+        return ep.spec.user_turns[given]
 
     async def asession_output(self, session_id: str) -> dict[str, Any]:
         ep = self._get(session_id)
@@ -269,7 +287,9 @@ class ToolsetEnvironment(Environment):
         state = await ep.session.snapshot() if checks else None
         return {"calls": ep.session.calls, "state": state, "ended_by": ep.session.ended_by,
                 "toolset": ep.runtime.name, "version": ep.runtime.registration.version,
-                "answers": list(ep.answers), "reference_state": ep.reference}
+                "answers": list(ep.answers), "reference_state": ep.reference,
+                "turn_states": list(ep.turn_states),
+                "turn_reference_states": list(ep.turn_references)}
 
     async def aclose(self, session_id: str) -> None:
         ep = self._open.pop(session_id, None)

@@ -20,7 +20,10 @@ toolset whose tools have exactly the trajectory's tool names. A candidate become
   (`mining.expected`): its calls are the right path — the whole conversation's calls, or
   only those from the failed turn on (the earlier turns' calls are put before them). With an
   initial state and a toolset that keeps a state snapshot, the end state is checked against
-  the state that path reaches (`check_state`: any path to the same state passes); otherwise
+  the state that path reaches (`check_state`: any path to the same state passes) — and, when
+  a correction or retry gives the path with the later user messages where they came (or
+  with the answers that ended the requests before them), the state at each of those turns
+  against the path's there (`reference_turns`); otherwise
   the path's calls from the failed turn on are required (a multiset). Structured feedback
   may add `expected_results` (texts that must appear among the episode's tool results) and
   `final_answer_contains` (texts the final answer must hold). `metadata.environment.
@@ -159,6 +162,34 @@ def _left_path(items: Sequence[Any], users: list[int], calls: list[tuple[int, Lo
     return len(users) - 1
 
 
+def _turn_counts(items: Sequence[Any], later: list[str], calls: int, offset: int) -> list[int]:
+    """Where the right path stands at each later user message: the calls `items` (a
+    correction or a retry giving the path, `calls` of them) make before each of its last
+    `len(later)` user messages — or, in items with no user message, by each of the answers
+    that end the requests before them (an assistant message with no call ends a turn, as in
+    the rollout loop) — plus `offset` (the path's calls before its first item). Empty when
+    the user messages are not `later`, there are too few answers, or the calls are not the
+    path's."""
+    made, users, answers = 0, [], []
+    for item in items:
+        if isinstance(item, FunctionCallItem):
+            made += 1
+        elif isinstance(item, MessageItem) and item.role == "user":
+            users.append((item.content, made))
+        elif isinstance(item, MessageItem) and item.role == "assistant":
+            answers.append(made)
+    if made != calls or not later:
+        return []
+    if users:
+        tail = users[len(users) - len(later):] if len(users) >= len(later) else []
+        return [offset + n for _, n in tail] if [u for u, _ in tail] == later else []
+    # The last answer ends the last request; the len(later) before it end the requests
+    # each later user message follows.
+    if len(answers) < len(later) + 1:
+        return []
+    return [offset + n for n in answers[len(answers) - len(later) - 1:-1]]
+
+
 def _check_path(reg: Registration, path: list[ExpectedCall]) -> str | None:
     for call in path:
         tool = reg.tool(call.name)
@@ -227,6 +258,14 @@ def build_episode(t: Trajectory, c: Classification, registrations: Sequence[Regi
     if not (check_state or required or results or answer):
         return Unverifiable("nothing to check: the expected path adds no call after the "
                             "earlier turns, and no results or answer content are expected")
+    turns: list[int] = []
+    if check_state and found is not None and later:
+        hi = t.outcome.human_intervention if t.outcome is not None else None
+        source = (hi.corrected_items if found.source == "human_correction" and hi is not None
+                  else retry.items if retry is not None and found.source.startswith("retry:")
+                  else [])
+        turns = _turn_counts(source, [str(u) for u in later], len(found.calls),
+                             len(path) - len(found.calls))
     unsafe = sorted(x.name for x in reg.tools if is_destructive(x, reg.config))
     ignore = env_meta.get("state_ignore")
     repeats = Counter(json.dumps([p.name, p.arguments], sort_keys=True) for p in path)
@@ -234,7 +273,7 @@ def build_episode(t: Trajectory, c: Classification, registrations: Sequence[Regi
         toolset=reg.name, toolset_version=reg.version, initial_state=initial,
         setup=prefix, replay=None if initial is not None else logged,
         user_turns=[str(u) for u in later], reference_calls=path if check_state else [],
-        check_state=check_state,
+        check_state=check_state, reference_turns=turns,
         state_ignore=[str(k) for k in ignore] if isinstance(ignore, list) else [],
         state_unordered=not env_meta.get("state_ordered", False),
         required_calls=required, expected_results=results, answer_contains=answer,
