@@ -56,3 +56,9 @@ def test_train_rows_follow_the_budget() -> None:
                       dtype_bytes=4) < plain
     assert train_rows(1e15, SHAPE_1_7B, prompt_tokens=430, completion_tokens=64,
                       dtype_bytes=2, cap=64) == 64
+
+
+def test_train_rows_of_nothing_is_the_cap() -> None:
+    """A row that holds nothing (no tokens) is no reason to divide by zero."""
+    assert train_rows(1e9, SHAPE_1_7B, prompt_tokens=0, completion_tokens=0,
+                      dtype_bytes=4, cap=7) == 7

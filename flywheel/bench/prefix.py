@@ -64,10 +64,14 @@ def run_prefix_bench(*, batch: int = 4, group_size: int = 8, tokens: int = 32,
              if (d := demonstration_from_task(task, task.task_id)) is not None]
     examples = [encode_demonstration(fmt, d) for d in demos]
 
+    longest = max(len(e.input_ids) for e in examples)
+    target = max(e.target_len for e in examples)
+    rows = trainer.micro_rows(longest - target, target)  # the same for both paths
+
     def sft(shared: bool) -> Callable[[], Any]:
         def run() -> None:
             sft_backward(trainer.model, examples, pad_id=trainer.pad_id,
-                         micro_batch=trainer.micro_rows(0, 0), share_prefix=shared)
+                         micro_batch=rows, share_prefix=shared)
             trainer.optimizer.zero_grad(set_to_none=True)
         return run
 

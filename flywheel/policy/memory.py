@@ -107,4 +107,6 @@ def train_rows(budget_bytes: float, shape: ModelShape, *, prompt_tokens: int,
         kv = shape.kv_bytes_per_token(dtype_bytes) * (prompt_tokens + completion_tokens)
         per_row = completion_tokens * shape.layers * layer_token + kv + logits
         held = prompt_tokens * shape.layers * layer_token
+    if per_row <= 0:  # nothing to hold a row for
+        return cap
     return max(floor, min(cap, int((budget_bytes - held) // per_row)))
