@@ -103,3 +103,26 @@ async def test_a_logged_episode_success_is_read_as_demonstrations_turn_by_turn(
     assert [d.reply.get("content") for d in demos] == [None, "Closed.", None, "Told Ana."]
     # A policy trained on tool_call tasks only gets no episode turns for its warm start.
     assert {d.env for d in everything} == {"toolset"} and single_step == []
+
+
+async def test_no_demonstration_continues_a_holdout_episode_from_another_session(
+        db_url: str) -> None:
+    """A success of another session that opens with a holdout episode's request teaches that
+    very conversation: the store's holdout guard refuses its turns (fingerprints never meet:
+    the task's holds its verifier, a demonstration's the conversation's opening)."""
+    await _register_workplace(db_url)
+    items = [_say("user", ASK), *WHOLE_PATH[:2], _say("assistant", "Closed."),
+             _say("user", THEN), *WHOLE_PATH[2:4], _say("assistant", "Told Ana.")]
+    success = _record(items, status="success")
+    success["session_id"] = "another-session"
+    await _mine(db_url, [success, _record(WRONG_FIRST_TURN, corrected=WHOLE_PATH)])
+    engine = make_engine(db_url)
+    try:
+        async with engine.begin() as conn:
+            before = [d for d in await load_demonstrations(conn) if d.env == "toolset"]
+            await conn.execute(text("UPDATE tasks SET split = 'holdout' WHERE env = 'toolset'"))
+            after = [d for d in await load_demonstrations(conn) if d.env == "toolset"]
+    finally:
+        await engine.dispose()
+    assert len(before) >= 4  # the success's turns (and the correction's) while train
+    assert after == []

@@ -77,18 +77,17 @@ def split_episodes(reg: Registration, records: int, seed: int, holdout_fraction:
             side = holdout if split_of(task.fingerprint, holdout_fraction) == "holdout" else train
             side.append((task, t))
     held_sessions = {t.session_id for _, t in holdout}
-    demos = [from_turn(x) for task, t in train if t.session_id not in held_sessions
-             for x in corrected_episode_demonstrations(task, t)]
+    corrections = [from_turn(x) for task, t in train if t.session_id not in held_sessions
+                   for x in corrected_episode_demonstrations(task, t)]
     successes = [from_turn(x) for t in logs if t.is_success and t.session_id not in held_sessions
                  for x in success_episode_demonstrations(t, [reg]) or []]
     # The trainer's holdout guard: no demonstration continuing a holdout episode's prompt.
     held = HeldOut(episode_prompts=frozenset(p for x, _ in holdout
                                              if (p := holdout_episode_prompt(x)) is not None))
-    kept = [d for d in demos if held.admits(Candidate(d, (d.source_trajectory_id,), ()))]
-    kept_successes = [d for d in successes
-                      if held.admits(Candidate(d, (d.source_trajectory_id,), ()))]
-    refused = len(demos) + len(successes) - len(kept) - len(kept_successes)
-    corrected, demos = len(kept), kept + kept_successes
+    demos = [d for d in [*corrections, *successes]
+             if held.admits(Candidate(d, (d.source_trajectory_id,), ()))]
+    refused = len(corrections) + len(successes) - len(demos)
+    corrected = len({id(d) for d in corrections} & {id(d) for d in demos})
     counts = {"logs": len(logs), "failed": sum(1 for t in logs if not t.is_success),
               "episodes_train": len(train), "episodes_holdout": len(holdout),
               "holdout_modes": dict(Counter(x.failure_mode for x, _ in holdout)),

@@ -30,6 +30,7 @@ import json
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 from sqlalchemy import text
@@ -137,12 +138,15 @@ class HeldOut:
         return not (self.holdout_fraction is not None
                     and split_of(fp, self.holdout_fraction) == "holdout")
 
+    @cached_property
+    def _episode_lengths(self) -> frozenset[int]:
+        return frozenset(n for n, _ in self.episode_prompts)
 
     def _continues_a_holdout_episode(self, demo: Demonstration) -> bool:
         tools = demo.tools or []
         return any(n <= len(demo.messages)
                    and (n, conversation_key(demo.messages[:n], tools)) in self.episode_prompts
-                   for n in {n for n, _ in self.episode_prompts})
+                   for n in self._episode_lengths)
 
 
 def holdout_episode_prompt(task: TaskSpec) -> tuple[int, str] | None:
@@ -243,14 +247,20 @@ def select(candidates: Iterable[Candidate], held: HeldOut, *,
 # -- Postgres --------------------------------------------------------------------------------
 
 _HOLDOUT = text("""
-SELECT t.fingerprint, t.expected_from, s.trajectory_id, coalesce(f.record, tr.record) AS record,
-       t.spec
+SELECT t.fingerprint, t.expected_from, s.trajectory_id, coalesce(f.record, tr.record) AS record
 FROM tasks t
 LEFT JOIN task_sources s ON s.task_id = t.task_id
 LEFT JOIN failures f ON f.trajectory_id = s.trajectory_id
 LEFT JOIN trajectories tr ON tr.trajectory_id = s.trajectory_id
 WHERE t.split = 'holdout' OR t.task_id IN (SELECT task_id FROM eval_set_tasks)
    OR t.task_id IN (SELECT task_id FROM validation_tasks)""")
+
+# Each holdout episode once (the query above has a row per source).
+_HOLDOUT_EPISODES = text("""
+SELECT t.spec FROM tasks t
+WHERE t.env = 'toolset' AND (t.split = 'holdout'
+   OR t.task_id IN (SELECT task_id FROM eval_set_tasks)
+   OR t.task_id IN (SELECT task_id FROM validation_tasks))""")
 
 _TRAIN_TASKS = text("""
 SELECT t.spec, s.trajectory_id, coalesce(f.record, tr.record) AS record
@@ -325,18 +335,15 @@ async def held_out(conn: AsyncConnection, holdout_fraction: float | None = None)
     fps: set[str] = set()
     trajectories: set[uuid.UUID] = set()
     requests: set[Request] = set()
-    prompts: set[tuple[int, str]] = set()
-    for fp, expected_from, source, record, spec in (await conn.execute(_HOLDOUT)).all():
+    for fp, expected_from, source, record in (await conn.execute(_HOLDOUT)).all():
         fps.add(fp)
-        if isinstance(spec, dict) and spec.get("env") == "toolset":
-            prompt = holdout_episode_prompt(TaskSpec.model_validate(spec))
-            if prompt is not None:
-                prompts.add(prompt)
         if source is not None:
             trajectories.add(source)
         if expected_from.startswith("retry:"):
             trajectories.add(uuid.UUID(expected_from.removeprefix("retry:")))
         requests.update(_request(record))
+    prompts = {p for (spec,) in (await conn.execute(_HOLDOUT_EPISODES)).all()
+               if (p := holdout_episode_prompt(TaskSpec.model_validate(spec))) is not None}
     return HeldOut(frozenset(fps), frozenset(trajectories), frozenset(requests),
                    holdout_fraction, episode_prompts=frozenset(prompts))
 
