@@ -63,7 +63,8 @@ def test_unusable_code_is_invalid_format() -> None:
 
 def test_infinite_loop_is_killed_quickly() -> None:
     started = time.monotonic()
-    r = verify_code(fast("assert spin()", timeout_s=0.5), "def spin():\n    while True:\n        pass\n")
+    spin = "def spin():\n    while True:\n        pass\n"
+    r = verify_code(fast("assert spin()", timeout_s=0.5), spin)
     assert time.monotonic() - started < 3.0
     assert (r.reward, r.failure_mode, r.details["kind"]) == (0.0, "timeout", "timeout")
 
