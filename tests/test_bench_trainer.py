@@ -20,9 +20,12 @@ def test_missing_trl_is_reported_not_measured(monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.mark.slow
 def test_pipeline_side_trains_one_version_per_step() -> None:
-    out = bench.run_trainer_bench(2, batch=1, group_size=4, max_tokens=8, tasks=2,
+    out = bench.run_trainer_bench(2, batch=2, group_size=4, max_tokens=8, tasks=2,
                                   sequential=False, trl=False)
     fw = out["flywheel"]
+    assert out["inflight_groups"] == 4  # the rollout worker's default
+    # A step's groups are sampled together (shared forwards), not one after another.
+    assert fw["sampling_waves"] < fw["groups_sampled"]
     assert out["flywheel_s"] > 0 and out["speedup_vs_trl"] is None
     assert out["flywheel_sequential_s"] is None
     assert len(fw["train_step_s"]) == 2

@@ -9,10 +9,13 @@ tools and its groups have reward variance), on CPU.
 
 Flywheel side, in-process: a LocalPolicy (its own model, its own worker thread) samples and
 scores groups with `run_group` while a LoRATrainer (a second model copy) steps on another
-thread. Step k trains on groups sampled by adapter version k−1 or older (bounded staleness,
-default 1) while the sampler already samples the batch for step k+1 with the newest version;
-every version is saved (weights + optimizer state) and loaded into the sampler, as the
-services do across processes. As the services do, a step waits for B *trainable* groups
+thread. Like a rollout worker, the sampler keeps up to `rollout.max_inflight_groups` groups
+in flight (never more than the step still needs), so the engine decodes their rows in shared
+forwards — as TRL generates a step's B·G rows in one `generate`. Step k trains on groups
+sampled by adapter version k−1 or older (bounded staleness, default 1) while the sampler
+already samples the batch for step k+1 with the newest version; every version is saved
+(weights + optimizer state) and loaded into the sampler, as the services do across
+processes. As the services do, a step waits for B *trainable* groups
 (zero-variance groups are sampled, paid for, and dropped). Timed from the first sample
 until version K is saved; model loading is excluded on every side. The same pipeline is
 also timed without overlap (staleness 0, every phase on all cores), so the overlap's own
@@ -67,7 +70,7 @@ class _Shared:
 
 async def _flywheel(steps: int, tasks: list[TaskSpec], batch: int, cfg: GroupConfig,
                     lr: float, staleness: int, sampler_threads: int,
-                    trainer_threads: int) -> dict[str, Any]:
+                    trainer_threads: int, inflight: int) -> dict[str, Any]:
     import torch
 
     from flywheel.policy.local import LocalPolicy
@@ -92,7 +95,7 @@ async def _flywheel(steps: int, tasks: list[TaskSpec], batch: int, cfg: GroupCon
     work = Path(tempfile.mkdtemp(prefix="flywheel-bench-trainer-"))
     shared = _Shared()
     batches: asyncio.Queue[tuple[list[GroupScoredPayload], int]] = asyncio.Queue()
-    sampled = {"groups": 0, "dropped": 0, "tokens": 0}
+    sampled = {"groups": 0, "dropped": 0, "tokens": 0, "waves": 0}
     trained: list[dict[str, float]] = []
 
     async def sampler() -> None:
@@ -109,24 +112,32 @@ async def _flywheel(steps: int, tasks: list[TaskSpec], batch: int, cfg: GroupCon
                     await policy.retire_adapter(current)
                 current = newest
             groups: list[GroupScoredPayload] = []
-            for _ in range(4 * batch):
-                if len(groups) == batch:
-                    break
-                task = tasks[n % len(tasks)]
-                n += 1
-                g = await run_group(policy, task, env, cfg, adapter=current, seed=n,
-                                    group_key=f"b{b}-{n}")
-                sampled["groups"] += 1
-                sampled["tokens"] += sum(len(t.token_ids) for r in g.rollouts for t in r.turns)
-                if not g.trainable:
-                    sampled["dropped"] += 1
-                    continue
-                groups.append(GroupScoredPayload(
-                    group_id=uuid.uuid4(), task_id=task.task_id, env="tool_call",
-                    adapter=current.name if current else None,
-                    adapter_version=current.version if current else None,
-                    temperature=cfg.temperature, rollouts=g.rollouts, reward_mean=g.reward_mean,
-                    reward_std=g.reward_std, trainable=True, worker="bench"))
+            attempts = 0
+            while len(groups) < batch and attempts < 4 * batch:
+                # As a rollout worker does: up to `inflight` groups at once (the engine batches
+                # their rows into shared forwards), never more than this step still needs.
+                wave = [(tasks[(n + i) % len(tasks)], n + i + 1)
+                        for i in range(min(inflight, batch - len(groups), 4 * batch - attempts))]
+                n += len(wave)
+                attempts += len(wave)
+                scored = await asyncio.gather(*(
+                    run_group(policy, task, env, cfg, adapter=current, seed=seed,
+                              group_key=f"b{b}-{seed}") for task, seed in wave))
+                sampled["waves"] += 1
+                for (task, _), g in zip(wave, scored, strict=True):
+                    sampled["groups"] += 1
+                    sampled["tokens"] += sum(len(t.token_ids) for r in g.rollouts
+                                             for t in r.turns)
+                    if not g.trainable:
+                        sampled["dropped"] += 1
+                        continue
+                    groups.append(GroupScoredPayload(
+                        group_id=uuid.uuid4(), task_id=task.task_id, env="tool_call",
+                        adapter=current.name if current else None,
+                        adapter_version=current.version if current else None,
+                        temperature=cfg.temperature, rollouts=g.rollouts,
+                        reward_mean=g.reward_mean, reward_std=g.reward_std, trainable=True,
+                        worker="bench"))
             await batches.put((groups, 0 if current is None else current.version))
 
     async def train() -> None:
@@ -152,6 +163,7 @@ async def _flywheel(steps: int, tasks: list[TaskSpec], batch: int, cfg: GroupCon
     return {"seconds": elapsed, "load_s": load_s, "tokens_trained": int(tokens),
             "groups_trained": sum(int(s["groups"]) for s in trained),
             "groups_sampled": sampled["groups"], "groups_dropped": sampled["dropped"],
+            "sampling_waves": sampled["waves"],
             "mean_completion_tokens": sampled["tokens"] / max(sampled["groups"] * cfg.group_size,
                                                               1),
             "train_step_s": [round(s["step_s"], 2) for s in trained],
@@ -241,13 +253,13 @@ def _trl_run(trl: Any, steps: int, tasks: list[TaskSpec], batch: int, cfg: Group
 
 def _timed_flywheel(steps: int, tasks: list[TaskSpec], batch: int, cfg: GroupConfig,
                     lr: float, staleness: int, sampler_threads: int,
-                    trainer_threads: int) -> dict[str, Any]:
+                    trainer_threads: int, inflight: int) -> dict[str, Any]:
     import torch
 
     cores = torch.get_num_threads()
     try:
         return asyncio.run(_flywheel(steps, tasks, batch, cfg, lr, staleness, sampler_threads,
-                                     trainer_threads))
+                                     trainer_threads, inflight))
     finally:
         torch.set_num_threads(cores)
         gc.collect()  # its two models, before the next side loads its own
@@ -260,9 +272,13 @@ def _rounded(d: dict[str, Any]) -> dict[str, Any]:
 def run_trainer_bench(steps: int = 3, *, batch: int = 2, group_size: int = 8,
                       max_tokens: int = 64, lr: float = 2e-4, tasks: int = 6,
                       staleness: int = 1, sequential: bool = True,
-                      trl: bool = True) -> dict[str, Any]:
-    if steps < 1 or batch < 1 or staleness < 1:
-        raise ValueError("steps, batch and staleness must be ≥ 1")
+                      trl: bool = True, inflight: int | None = None) -> dict[str, Any]:
+    """`inflight` None: the rollout worker's default (`rollout.max_inflight_groups`)."""
+    from flywheel.config import RolloutSettings
+
+    inflight = RolloutSettings().max_inflight_groups if inflight is None else inflight
+    if min(steps, batch, staleness, inflight) < 1:
+        raise ValueError("steps, batch, staleness and inflight must be ≥ 1")
     import torch
 
     # Three answered requests before each: GRPO from the base model needs reward variance,
@@ -280,11 +296,12 @@ def run_trainer_bench(steps: int = 3, *, batch: int = 2, group_size: int = 8,
         load.append(os.getloadavg()[0])
         print(msg, file=sys.stderr, flush=True)
 
-    fw = _timed_flywheel(steps, fixed, batch, cfg, lr, staleness, sampler_threads, cores)
+    fw = _timed_flywheel(steps, fixed, batch, cfg, lr, staleness, sampler_threads, cores,
+                         inflight)
     note(f"flywheel, overlapped: {fw['seconds']:.1f}s for {steps} steps")
     seq: dict[str, Any] = {}
     if sequential:  # the same pipeline without overlap, every phase on all cores
-        seq = _timed_flywheel(steps, fixed, batch, cfg, lr, 0, cores, cores)
+        seq = _timed_flywheel(steps, fixed, batch, cfg, lr, 0, cores, cores, inflight)
         note(f"flywheel, sequential: {seq['seconds']:.1f}s")
     other: dict[str, Any] = (_trl(steps, fixed, batch, cfg, lr) if trl
                              else {"error": "skipped (--no-trl)"})
@@ -293,9 +310,10 @@ def run_trainer_bench(steps: int = 3, *, batch: int = 2, group_size: int = 8,
     trl_s = other.get("seconds")
     return {
         "steps": steps, "group_size": group_size, "batch_groups": batch,
-        "max_tokens": max_tokens,
+        "max_tokens": max_tokens, "inflight_groups": inflight,
         "mode": ("in-process overlap: LocalPolicy sampling (own model, own thread) concurrent "
-                 f"with LoRATrainer steps (second thread), staleness ≤ {staleness}, every "
+                 f"with LoRATrainer steps (second thread), ≤ {inflight} groups in flight, "
+                 f"staleness ≤ {staleness}, every "
                  "adapter version saved and loaded into the sampler"),
         "torch_threads": {"overlapped": {"sampler": sampler_threads, "trainer": cores},
                           "sequential": cores, "trl": cores},

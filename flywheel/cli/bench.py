@@ -159,16 +159,20 @@ def bench_trainer(
     sequential: Annotated[bool, typer.Option(help="Also time the same pipeline without "
                                              "overlap (all cores per phase).")] = True,
     trl: Annotated[bool, typer.Option(help="Also run TRL's GRPOTrainer (the baseline).")] = True,
+    in_flight: Annotated[int | None, typer.Option(
+        help="Groups sampled at once (default: rollout.max_inflight_groups, as a rollout "
+             "worker).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """K GRPO steps: Flywheel's overlapped sampling + training vs TRL's GRPOTrainer (CPU)."""
     from flywheel.bench.trainer import run_trainer_bench
 
-    if min(steps, batch, staleness) < 1 or group_size < 2:
-        fail("--steps, --batch and --staleness must be ≥ 1, --group-size ≥ 2")
+    if min(steps, batch, staleness) < 1 or (in_flight is not None and in_flight < 1) \
+            or group_size < 2:
+        fail("--steps, --batch, --staleness and --in-flight must be ≥ 1, --group-size ≥ 2")
     result = run_trainer_bench(steps, batch=batch, group_size=group_size,
                                max_tokens=max_tokens, staleness=staleness,
-                               sequential=sequential, trl=trl)
+                               sequential=sequential, trl=trl, inflight=in_flight)
     print_result(result, as_json)
 
 
