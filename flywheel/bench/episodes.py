@@ -20,6 +20,7 @@ import os
 import statistics
 import time
 import zlib
+from pathlib import Path
 from typing import Any
 
 from flywheel.config import Settings
@@ -32,7 +33,7 @@ from flywheel.mining.build import Unverifiable
 from flywheel.mining.classify import classify_failure
 from flywheel.mining.expected import expected_calls, same_episode
 from flywheel.mining.mine_batch import MineStats, _build
-from flywheel.policy.base import Policy
+from flywheel.policy.base import AdapterRef, Policy
 from flywheel.rollout.loop import GroupConfig, GroupOutcome, run_group
 from flywheel.tasks import EpisodeSpec, TaskSpec
 from flywheel.tools.descriptors import Registration
@@ -73,8 +74,12 @@ def paired_tasks(reg: Registration, n: int, seed: int) -> list[tuple[TaskSpec, T
     return pairs
 
 
-def run_episodes_bench(*, tasks: int = 4, seed: int = 5) -> dict[str, Any]:
-    return asyncio.run(_run(tasks, seed))
+def run_episodes_bench(*, tasks: int = 4, seed: int = 5,
+                       adapter: Path | None = None) -> dict[str, Any]:
+    """`adapter`: a saved LoRA adapter directory (e.g. an SFT checkpoint of `bench
+    episode-learning`) sampled instead of the base model, so the cost is that of a policy
+    that works several turns; both kinds of task use it."""
+    return asyncio.run(_run(tasks, seed, adapter))
 
 
 def _side(outcomes: list[tuple[float, GroupOutcome]]) -> dict[str, Any]:
@@ -93,14 +98,14 @@ def _side(outcomes: list[tuple[float, GroupOutcome]]) -> dict[str, Any]:
 
 
 async def _timed(policy: Policy, task: TaskSpec, env: Environment, cfg: GroupConfig,
-                 key: str) -> tuple[float, GroupOutcome]:
+                 key: str, adapter: AdapterRef | None) -> tuple[float, GroupOutcome]:
     started = time.perf_counter()
-    outcome = await run_group(policy, task, env, cfg, adapter=None, seed=zlib.crc32(key.encode()),
-                              group_key=key)
+    outcome = await run_group(policy, task, env, cfg, adapter=adapter,
+                              seed=zlib.crc32(key.encode()), group_key=key)
     return time.perf_counter() - started, outcome
 
 
-async def _run(n: int, seed: int) -> dict[str, Any]:
+async def _run(n: int, seed: int, adapter_dir: Path | None) -> dict[str, Any]:
     from flywheel.policy.local import LocalPolicy
     from flywheel.policy.model_cache import resolve_model_dir
 
@@ -115,8 +120,12 @@ async def _run(n: int, seed: int) -> dict[str, Any]:
     envs: dict[str, Environment] = {"episode": ToolsetEnvironment(catalog),
                                     "single": load_environment("tool_call")}
     policy = LocalPolicy(resolve_model_dir(None), max_batch=max(8, r.group_size))
+    adapter = None if adapter_dir is None else AdapterRef("policy", 1, adapter_dir)
+    if adapter is not None:
+        await policy.ensure_adapter(adapter)
     load = os.getloadavg()[0]
     out: dict[str, Any] = {"tasks": n, "seed": seed, "group_size": r.group_size,
+                           "adapter": None if adapter_dir is None else str(adapter_dir),
                            "max_tokens": r.max_tokens, "max_steps": r.max_steps,
                            "round_samples": g.round_samples}
     try:
@@ -133,7 +142,7 @@ async def _run(n: int, seed: int) -> dict[str, Any]:
                 order = [("episode", episode), ("single", single)]
                 for kind, task in order if k % 2 == 0 else order[::-1]:
                     done[kind].append(await _timed(policy, task, envs[kind], cfg,
-                                                   f"{stage}-{kind}-{k}"))
+                                                   f"{stage}-{kind}-{k}", adapter))
             sides = {kind: _side(v) for kind, v in done.items()}
             if stage == "group":
                 out["episode"], out["single_step"] = sides["episode"], sides["single"]

@@ -21,7 +21,8 @@ until version K is saved; model loading is excluded on every side. The same pipe
 also timed without overlap (staleness 0, every phase on all cores), so the overlap's own
 effect on this machine is visible rather than assumed.
 
-TRL side: `GRPOTrainer.train()` with `max_steps=K` and its own transformers `generate`. The
+TRL side: `GRPOTrainer.train()` with `max_steps=K` and its own transformers `generate`
+(gradient checkpointing off, as in Flywheel's trainer; TRL defaults it on). The
 prompt is a plain-text prompt: the policy's chat format rendered with the task's tools and
 the generation prompt, i.e. exactly the token sequence Flywheel samples from; the reward
 function parses each completion with the same chat format before verifying. Both sides'
@@ -222,6 +223,9 @@ def _trl_run(trl: Any, steps: int, tasks: list[TaskSpec], batch: int, cfg: Group
         learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo",
         scale_rewards="group", use_cpu=True, bf16=False, fp16=False, report_to="none",
+        # TRL's default recomputes activations in the backward to save memory; Flywheel's
+        # trainer does not (its `gradient_checkpointing` setting is off), so neither does TRL.
+        gradient_checkpointing=False,
         logging_steps=1, save_strategy="no", disable_tqdm=True, remove_unused_columns=False,
         dataloader_num_workers=0, dataloader_pin_memory=False, seed=0)
     loaded = time.perf_counter()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -198,6 +199,9 @@ def bench_tools(
 def bench_episodes(
     tasks: Annotated[int, typer.Option(help="Failures mined both ways (pairs of tasks).")] = 4,
     seed: Annotated[int, typer.Option(help="Seed of the simulated helpdesk traffic.")] = 5,
+    adapter: Annotated[Path | None, typer.Option(
+        help="A saved LoRA adapter directory to sample instead of the base model (e.g. an "
+             "SFT checkpoint that works several turns).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """What a whole episode costs against the single step it replaced: the same simulated
@@ -205,7 +209,9 @@ def bench_episodes(
     config: seconds per group and per gate round, turns and tokens per attempt."""
     from flywheel.bench.episodes import run_episodes_bench
 
-    print_result(run_episodes_bench(tasks=tasks, seed=seed), as_json)
+    if adapter is not None and not (adapter / "adapter_config.json").is_file():
+        fail(f"{adapter}: no adapter_config.json (not a saved LoRA adapter)")
+    print_result(run_episodes_bench(tasks=tasks, seed=seed, adapter=adapter), as_json)
 
 
 @bench_app.command("episode-learning")
