@@ -22,7 +22,8 @@ also timed without overlap (staleness 0, every phase on all cores), so the overl
 effect on this machine is visible rather than assumed.
 
 TRL side: `GRPOTrainer.train()` with `max_steps=K` and its own transformers `generate`
-(gradient checkpointing off, as in Flywheel's trainer; TRL defaults it on). The
+(gradient checkpointing off, as in Flywheel's trainer, and the same 4 rows per backward,
+accumulated into one optimizer step per generation of B·G rows). The
 prompt is a plain-text prompt: the policy's chat format rendered with the task's tools and
 the generation prompt, i.e. exactly the token sequence Flywheel samples from; the reward
 function parses each completion with the same chat format before verifying. Both sides'
@@ -34,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import math
 import os
 import shutil
 import statistics
@@ -216,9 +218,14 @@ def _trl_run(trl: Any, steps: int, tasks: list[TaskSpec], batch: int, cfg: Group
 
     lora = LoRASpec()
     output_dir = tempfile.mkdtemp(prefix="flywheel-bench-trl-")
+    # One generate of the step's B·G rows, trained in micro-batches of 4 accumulated into one
+    # optimizer step — the rows per forward/backward of Flywheel's CPU trainer. (16 rows of
+    # ~860 tokens in one backward, no checkpointing, were OOM-killed at 24 GB.)
+    generated = batch * cfg.group_size
+    micro = math.gcd(generated, 4)
     args = trl.GRPOConfig(
-        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=batch * cfg.group_size,
-        gradient_accumulation_steps=1, num_generations=cfg.group_size,
+        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=micro,
+        gradient_accumulation_steps=generated // micro, num_generations=cfg.group_size,
         max_completion_length=cfg.max_tokens, temperature=cfg.temperature, top_p=1.0, top_k=0,
         learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo",
