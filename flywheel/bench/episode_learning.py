@@ -148,6 +148,7 @@ async def _run(*, records: int, seed: int, holdout_tasks: int, samples: int,
     out: dict[str, Any] = {**counts, "holdout_tasks_run": len(held), "samples": samples,
                            "max_tokens": cfg.max_tokens, "max_steps": cfg.max_steps,
                            "sft_batch": s.trainer.sft_batch, "sft_lr": s.trainer.sft_lr,
+                           "micro_batch": micro_batch,
                            "seed": seed, "checkpoints": []}
     out["grpo"] = None
     work = Path(tempfile.mkdtemp(prefix="flywheel-episode-learning-"))
