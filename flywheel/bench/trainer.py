@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.bench.learning import fixed_tasks
+from flywheel.config import RolloutSettings
 from flywheel.environments import load_environment
 from flywheel.environments.prompt import task_messages, task_tools
 from flywheel.events import GroupScoredPayload
@@ -197,7 +198,7 @@ def _trl_run(trl: Any, steps: int, tasks: list[TaskSpec], batch: int, cfg: Group
 
     from flywheel.policy.chat_format import load_chat_format
     from flywheel.policy.model_cache import resolve_model_dir
-    from flywheel.trainer.engine import LoRASpec
+    from flywheel.trainer.engine import CPU_MICRO_BATCH, LoRASpec
 
     model_dir = resolve_model_dir(None)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -218,11 +219,11 @@ def _trl_run(trl: Any, steps: int, tasks: list[TaskSpec], batch: int, cfg: Group
 
     lora = LoRASpec()
     output_dir = tempfile.mkdtemp(prefix="flywheel-bench-trl-")
-    # One generate of the step's B·G rows, trained in micro-batches of 4 accumulated into one
-    # optimizer step — the rows per forward/backward of Flywheel's CPU trainer. (16 rows of
-    # ~860 tokens in one backward, no checkpointing, were OOM-killed at 24 GB.)
+    # One generate of the step's B·G rows, trained in micro-batches of Flywheel's CPU trainer
+    # accumulated into one optimizer step. (16 rows of ~860 tokens in one backward, no
+    # checkpointing, were OOM-killed at 24 GB.)
     generated = batch * cfg.group_size
-    micro = math.gcd(generated, 4)
+    micro = math.gcd(generated, CPU_MICRO_BATCH)
     args = trl.GRPOConfig(
         output_dir=output_dir, max_steps=steps, per_device_train_batch_size=micro,
         gradient_accumulation_steps=generated // micro, num_generations=cfg.group_size,
@@ -285,8 +286,6 @@ def run_trainer_bench(steps: int = 3, *, batch: int = 2, group_size: int = 8,
                       staleness: int = 1, sequential: bool = True,
                       trl: bool = True, inflight: int | None = None) -> dict[str, Any]:
     """`inflight` None: the rollout worker's default (`rollout.max_inflight_groups`)."""
-    from flywheel.config import RolloutSettings
-
     inflight = RolloutSettings().max_inflight_groups if inflight is None else inflight
     if min(steps, batch, staleness, inflight) < 1:
         raise ValueError("steps, batch, staleness and inflight must be ≥ 1")

@@ -208,10 +208,13 @@ def bench_episodes(
     failures mined as episode tasks and as single-step tasks, the same engine and group
     config: seconds per group and per gate round, turns and tokens per attempt."""
     from flywheel.bench.episodes import run_episodes_bench
+    from flywheel.policy.base import PolicyError
 
-    if adapter is not None and not (adapter / "adapter_config.json").is_file():
-        fail(f"{adapter}: no adapter_config.json (not a saved LoRA adapter)")
-    print_result(run_episodes_bench(tasks=tasks, seed=seed, adapter=adapter), as_json)
+    try:  # the engine checks the adapter directory when it loads it
+        result = run_episodes_bench(tasks=tasks, seed=seed, adapter=adapter)
+    except PolicyError as err:
+        fail(str(err))
+    print_result(result, as_json)
 
 
 @bench_app.command("episode-learning")

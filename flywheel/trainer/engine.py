@@ -43,6 +43,9 @@ from flywheel.trainer.ranks import Ranks, rank_device
 from flywheel.trainer.sft import encode_demonstration, sft_step
 
 STATE_FILE = "trainer_state.pt"
+CPU_MICRO_BATCH = 4
+"""Completions per forward/backward on the CPU when `micro_batch` is unset (fewer only where
+memory is short: `LoRATrainer.micro_rows`)."""
 
 
 @dataclass(frozen=True)
@@ -183,11 +186,12 @@ class LoRATrainer:
         if self.device.type != "cuda":
             available = available_bytes()
             if available is None:
-                return 4
-            return min(4, train_rows(available * 0.5, self.shape, prompt_tokens=prompt_tokens,
-                                     completion_tokens=completion_tokens,
-                                     dtype_bytes=torch.finfo(self.dtype).bits // 8,
-                                     checkpointing=self.gradient_checkpointing))
+                return CPU_MICRO_BATCH
+            return min(CPU_MICRO_BATCH, train_rows(
+                available * 0.5, self.shape, prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                dtype_bytes=torch.finfo(self.dtype).bits // 8,
+                checkpointing=self.gradient_checkpointing))
         free, _ = torch.cuda.mem_get_info(self.device)
         return train_rows(free * 0.5, self.shape, prompt_tokens=prompt_tokens,
                           completion_tokens=completion_tokens,
