@@ -13,6 +13,7 @@ from flywheel.runtime.losses import (
     candidates,
     count_loss,
     unstored_total,
+    with_earlier_keys,
 )
 
 
@@ -22,6 +23,26 @@ def test_candidates_name_what_was_read_and_count_the_rest() -> None:
         {"0": [10, 15], "1": [4, 6], "2": [7, 7]},
         {"0": [[9, None], [10, "a"], [11, None], [12, "b"]]})  # offset 9: already committed
     assert (sorted(ids), counted, acked) == (["a", "b"], 1 + 2 + 2, 7)
+
+
+def test_a_failed_key_read_keeps_the_keys_earlier_reads_named() -> None:
+    """The read in flight when the broker is killed gets the positions and no keys: the
+    earlier read's keys still name what is behind, and only those (committed since: gone)."""
+    state = {"unstored": {"t": {"0": [[10, "a"], [11, "b"], [12, "c"]], "1": [[3, "x"]]}}}
+    failed = {"stored_positions": {"t": {"0": [11, 15], "1": [3, 4]}, "f": {"0": [0, 2]}},
+              "unstored": {}}
+    merged = with_earlier_keys(state, failed)["unstored"]
+    assert merged == {"t": {"0": [[11, "b"], [12, "c"]], "1": [[3, "x"]]}}
+    ids, counted, _ = candidates(failed["stored_positions"]["t"], merged["t"])
+    assert (sorted(ids), counted) == (["b", "c", "x"], 2)  # offsets 13, 14: by count
+    # A read that got further wins where both have an offset; one with nothing behind
+    # keeps nothing.
+    partial = {"stored_positions": {"t": {"0": [11, 15]}},
+               "unstored": {"t": {"0": [[12, "c"], [13, "d"]]}}}
+    assert with_earlier_keys(state, partial)["unstored"]["t"] == {
+        "0": [[11, "b"], [12, "c"], [13, "d"]]}
+    drained = {"stored_positions": {"t": {"0": [15, 15]}}, "unstored": {"t": {}}}
+    assert with_earlier_keys(state, drained)["unstored"] == {"t": {}}
 
 
 def test_arrivals_and_what_is_left() -> None:

@@ -233,6 +233,29 @@ async def loss_view(bootstrap: str, settings: Settings,
     return {"stored_positions": stored, "unstored": keys}
 
 
+def with_earlier_keys(state: dict[str, Any], view: dict[str, Any]) -> dict[str, Any]:
+    """`view` with the keys its read did not reach taken from the instance's earlier reads
+    (`state`, same broker instance) (pure). A key read that fails (the broker stopped
+    answering mid-read: the read in flight when it is killed) or runs out of time would
+    otherwise leave the last view counting by offsets only, which counts as lost the records
+    ingest stored and had not committed yet. A record's key at an offset never changes
+    within an instance, so an earlier read's keys in [committed, highwater) still name
+    them."""
+    earlier = state.get("unstored") or {}
+    keys = dict(view.get("unstored") or {})
+    for topic, parts in (view.get("stored_positions") or {}).items():
+        merged: dict[str, list[Any]] = {}
+        for p, (committed, high) in parts.items():
+            by_offset = {off: key for off, key in (earlier.get(topic) or {}).get(p, [])
+                         if committed <= off < high}
+            by_offset.update({off: key for off, key in (keys.get(topic) or {}).get(p, [])})
+            if by_offset:
+                merged[p] = [[off, by_offset[off]] for off in sorted(by_offset)]
+        if merged or topic in keys:
+            keys[topic] = merged
+    return {**view, "unstored": keys}
+
+
 def arrived(before: dict[str, Any], after: dict[str, Any]) -> int:
     """Records that reached the stored topics between two views (pure)."""
     total = 0

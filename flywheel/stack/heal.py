@@ -20,7 +20,7 @@ from typing import Any
 from flywheel.config import Settings
 from flywheel.runtime.kafka import consumer_groups
 from flywheel.runtime.logs import mask_text
-from flywheel.runtime.losses import Losses, count_loss
+from flywheel.runtime.losses import Losses, count_loss, with_earlier_keys
 from flywheel.stack import recovery
 from flywheel.stack.broker import MEMORY_ONLY_NOTE, LocalBroker
 from flywheel.stack.drain import Positions
@@ -85,7 +85,7 @@ class Healer:
             if self.broker is None or state.get("broker_pid") != self.broker.pid:
                 return  # read from an instance that is gone
             recovery.record(state, positions, read_at)
-            state.update(view or {})
+            state.update(with_earlier_keys(state, view) if view else {})
             recovery.save_state(self.home, state)
 
     def mark_drained(self) -> None:
