@@ -1,9 +1,16 @@
 """What a broker fails to store is sent again, not fatal: `send_all` (the republish after a
 lost broker, the gateway) and the outbox relay on UNKNOWN_SERVER_ERROR.
 
-The bundled broker answers UNKNOWN_SERVER_ERROR (-1) when two producers write a fresh
-partition's first batch at once; `flywheel up` after `flywheel down` while SDK clients were
-still sending met exactly that in its republish, and failed."""
+The bundled broker answers UNKNOWN_SERVER_ERROR (-1) to a fresh partition's first batches
+for a moment; `flywheel up` after `flywheel down` while SDK clients were still sending met
+exactly that in its republish, and failed.
+
+A hole of the bundled broker these tests keep out of their way (tansu 0.6, read in its
+source, not fixed here): CreateTopics registers the topic and only then resets each
+partition's watermark, so a batch a producer writes in between is acknowledged and its
+offsets are handed out again; a consumer then skips records (a clean-clone CI run lost one of
+200). Producers that already know the topic (an SDK client across a broker restart) can hit
+that window; see README, "A known hole"."""
 
 from __future__ import annotations
 
@@ -74,9 +81,9 @@ async def test_send_all_raises_a_refusal_at_once_and_gives_up_at_its_deadline() 
 async def test_two_producers_on_a_restarted_broker_get_every_record_stored(
         services_dir: Any) -> None:
     """The race itself, on the bundled broker: an SDK-like client sends across a restart
-    of the broker (so it writes the fresh instance the moment it answers) while `up`
-    republishes to it. Without resends, the first batches of one of them fail in most
-    runs."""
+    of the broker (so it writes the fresh instance's partitions the moment they exist)
+    while `up` republishes to it. It waits out the topics' creation: writing during it is
+    the broker's hole named above, not what `send_all` can mend."""
     broker = LocalBroker(free_port(), services_dir / f"race-{uuid.uuid4().hex[:6]}.log")
     topic, n = "race.trajectories", 200
     broker.start()
@@ -86,12 +93,15 @@ async def test_two_producers_on_a_restarted_broker_get_every_record_stored(
                                   linger_ms=5, enable_idempotence=False)
         await client.start()
         done = asyncio.Event()
+        topics = asyncio.Event()  # the SDK-like client waits out the CreateTopics window
+        topics.set()
         sent: list[bytes] = []
         resent = [0]
 
         async def sdk_like() -> None:
             i = 0
             while not done.is_set():
+                await topics.wait()
                 batch = [(f"sdk-{i + j}".encode(), f"sdk-{i + j}".encode()) for j in range(50)]
                 try:
                     resent[0] += await send_all(client, topic, batch, deadline_s=30)
@@ -104,11 +114,13 @@ async def test_two_producers_on_a_restarted_broker_get_every_record_stored(
         sending = asyncio.ensure_future(sdk_like())
         try:
             await asyncio.sleep(1.0)
+            topics.clear()
             await asyncio.to_thread(broker.stop)
             sent.clear()  # what the old instance held is gone with it
             await asyncio.sleep(1.0)
             await asyncio.to_thread(broker.start)
             await ensure_topics(broker.bootstrap, [topic], partitions=4)
+            topics.set()  # then both write the fresh partitions' first batches at once
             republisher = AIOKafkaProducer(bootstrap_servers=broker.bootstrap, acks="all",
                                            linger_ms=5, enable_idempotence=False)
             await republisher.start()
