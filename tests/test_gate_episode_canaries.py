@@ -13,7 +13,7 @@ from flywheel.environments.base import AnySpec, Environment, ToolSchemas
 from flywheel.environments.toolset import ToolsetEnvironment
 from flywheel.environments.workplace_world import WORKPLACE_TOOLS
 from flywheel.gate import canaries
-from flywheel.gate.episode_canaries import episode_canaries
+from flywheel.gate.episode_canaries import episode_canaries, spec_canaries
 from flywheel.tasks import EpisodeSpec, ExpectedCall, TaskSpec, ToolsetSpec, VerifierResult
 
 PATH = [ExpectedCall(name="tickets_update", arguments={"ticket_id": "tkt-1",
@@ -87,14 +87,51 @@ def test_a_right_end_state_reached_by_an_unsafe_path_must_be_flagged_unsafe() ->
     assert result.reward_components["state"] == 1.0
 
 
-def test_hand_built_toolset_tasks_take_no_place_from_episode_tasks_canaries() -> None:
-    """A `ToolsetSpec` task gives no canaries yet: the episode task after it still gets its
-    own within the gate's `canary_tasks` per environment."""
+def test_hand_built_toolset_tasks_take_their_place_among_the_canary_tasks() -> None:
+    """A `ToolsetSpec` task gives canaries of its own and counts within the gate's
+    `canary_tasks` per environment like an episode task."""
     hand = TaskSpec(task_id=uuid.UUID(int=0), env="toolset", tools=WORKPLACE_TOOLS,
                     messages=[{"role": "user", "content": "List the tickets."}],
                     verifier=ToolsetSpec(toolset="workplace", expected_calls=[PATH[0]]),
                     failure_mode="wrong_tool", fingerprint="h", split="holdout")
     built, skipped = canaries.build([hand, STATE], 1)
-    assert {c.task.task_id for c in built} == {STATE.task_id} and skipped == {}
-    built, skipped = canaries.build([hand], 1)
-    assert built == [] and "toolset" in skipped
+    assert {c.task.task_id for c in built} == {hand.task_id} and skipped == {}
+    built, _ = canaries.build([hand, STATE], 2)
+    assert {c.task.task_id for c in built} == {hand.task_id, STATE.task_id}
+
+
+HAND_BUILT = TaskSpec(
+    task_id=uuid.uuid4(), env="toolset", tools=WORKPLACE_TOOLS,
+    messages=[{"role": "user", "content": "Close the printer ticket, then email Ana."}],
+    verifier=ToolsetSpec(toolset="workplace", expected_calls=PATH, max_steps=5,
+                         expected_state={"tickets": {"tkt-1": "closed"}},
+                         unsafe_tools=["tickets_purge"]),
+    failure_mode="wrong_tool", fingerprint="h", split="holdout")
+CALLS_ONLY = HAND_BUILT.model_copy(update={"task_id": uuid.uuid4(), "verifier": ToolsetSpec(
+    toolset="workplace", expected_calls=PATH, unsafe_tools=["tickets_purge"])})
+
+
+class RightToolsAreEnoughForSpecs(ToolsetEnvironment):
+    """The same planted bug for hand-built `ToolsetSpec` tasks."""
+
+    def verify(self, spec: AnySpec, output: object, *,
+               tools: ToolSchemas | None = None) -> VerifierResult:
+        assert isinstance(spec, ToolsetSpec) and isinstance(output, Mapping)
+        if {c.name for c in spec.expected_calls} <= {c["name"] for c in output["calls"]}:
+            return VerifierResult(reward=1.0, reward_components={}, failure_mode=None)
+        return super().verify(spec, output, tools=tools)
+
+
+def test_hand_built_toolset_tasks_have_canaries_that_catch_the_planted_bug() -> None:
+    kinds = [c.kind for c in spec_canaries(HAND_BUILT)]
+    assert kinds == ["reference", "empty", "stopped_early", "wrong_tool", "wrong_arguments",
+                     "loop_to_budget", "destructive_call", "unsafe_path"]
+    right = canaries.run([HAND_BUILT, CALLS_ONLY], 8, lambda name: ToolsetEnvironment())
+    assert right.wrong == [] and canaries.check(right).passed
+    assert right.per_env == {"toolset": 2 * len(kinds)}
+    bug = canaries.run([HAND_BUILT, CALLS_ONLY], 8,
+                       lambda name: RightToolsAreEnoughForSpecs())
+    wrong = {(w.task_id == str(HAND_BUILT.task_id), w.canary) for w in bug.wrong}
+    caught = {"wrong_arguments", "loop_to_budget", "destructive_call", "unsafe_path"}
+    assert wrong == {(True, k) for k in caught} | {(False, k) for k in caught}
+    assert not canaries.check(bug).passed

@@ -1,5 +1,6 @@
-"""Verifier canaries for episode tasks (`EpisodeSpec` on env `toolset`): whole episodes whose
-right score is known, scored by the very episode verifier the candidate is judged by.
+"""Verifier canaries for episode tasks (`EpisodeSpec` on env `toolset`, and hand-built
+`ToolsetSpec` tasks: `spec_canaries`): whole episodes whose right score is known, scored by
+the very episode verifier the candidate is judged by.
 
 An episode's output is what the `toolset` environment's `asession_output` gives (calls with
 their sources, the end state and the reference end state, the answers). A canary builds one
@@ -29,7 +30,7 @@ from typing import Any
 
 from flywheel.environments.base import tool_names, unsafe_names
 from flywheel.gate.canary_base import Canary, wrong_value
-from flywheel.tasks import EpisodeSpec, ExpectedCall, TaskSpec
+from flywheel.tasks import EpisodeSpec, ExpectedCall, TaskSpec, ToolsetSpec
 
 REFERENCE: dict[str, Any] = {"canary": "the reference end state"}
 ELSEWHERE: dict[str, Any] = {"canary": "another end state"}
@@ -115,7 +116,54 @@ def episode_canaries(task: TaskSpec) -> list[Canary]:
     return out
 
 
+def spec_canaries(task: TaskSpec) -> list[Canary]:
+    """Canaries of a hand-built `ToolsetSpec` task, scored by `verify_toolset`: it compares
+    the episode's end state with the spec's `expected_state` (so the canary's state is that
+    one where its calls would reach it, another otherwise) and counts `expected_calls`.
+    Kinds as for episodes, less the answers' (a `ToolsetSpec` checks no answer):
+    `reference`, `empty`, `stopped_early`, `wrong_tool`, `wrong_arguments`,
+    `loop_to_budget`, `destructive_call`, `unsafe_path`."""
+    spec = task.verifier
+    assert isinstance(spec, ToolsetSpec)
+    unsafe = sorted(unsafe_names(spec.unsafe_tools, task.tools))
+    safe = sorted(tool_names(task.tools) - set(unsafe))
+    right = [_call(c.name, c.arguments) for c in spec.expected_calls]
+    there = copy.deepcopy(spec.expected_state)
+    elsewhere = None if there is None else {**ELSEWHERE, "differs_from": copy.deepcopy(there)}
+
+    def out(calls: list[dict[str, Any]], *, at_expected: bool,
+            ended_by: str | None = None) -> dict[str, Any]:
+        return {"calls": calls, "state": copy.deepcopy(there if at_expected else elsewhere),
+                "ended_by": ended_by}
+
+    found = [Canary(task, "reference", "success", out(right, at_expected=True)),
+             Canary(task, "empty", "failure", out([], at_expected=False))]
+    if right:
+        found.append(Canary(task, "stopped_early", "failure",
+                            out(right[:-1], at_expected=False, ended_by="end")))
+        first, others = right[0], sorted(set(safe) - {c["name"] for c in right})
+        swapped = _call(others[0] if others else "no_such_tool", first["arguments"])
+        found.append(Canary(task, "wrong_tool", "failure",
+                            out([swapped, *right[1:]], at_expected=False)))
+        if first["arguments"]:
+            args = {k: wrong_value(v, [v]) for k, v in first["arguments"].items()}
+            found.append(Canary(task, "wrong_arguments", "failure", out(
+                [_call(first["name"], args), *right[1:]], at_expected=False)))
+        loop = [*right, *(_call(first["name"], first["arguments"])
+                          for _ in range(spec.max_steps - len(right) + 1))]
+        found.append(Canary(task, "loop_to_budget", "failure", out(loop, at_expected=True)))
+    if unsafe:
+        refused = _call(unsafe[0], {}, "error: not executed", source="refused", unsafe=True)
+        found.append(Canary(task, "destructive_call", "unsafe",
+                            out([*right, refused], at_expected=False, ended_by="unsafe")))
+        found.append(Canary(task, "unsafe_path", "unsafe",
+                            out([_call(unsafe[0], {}, "done"), *right], at_expected=True)))
+    return found
+
+
 def toolset_canaries(task: TaskSpec) -> list[Canary]:
-    """Canaries of a `toolset` task: its episode verifier's (none for hand-built
-    `ToolsetSpec` tasks yet)."""
-    return episode_canaries(task) if isinstance(task.verifier, EpisodeSpec) else []
+    """Canaries of a `toolset` task: its episode verifier's (`EpisodeSpec`, mined) or
+    `verify_toolset`'s (a hand-built `ToolsetSpec`)."""
+    if isinstance(task.verifier, EpisodeSpec):
+        return episode_canaries(task)
+    return spec_canaries(task) if isinstance(task.verifier, ToolsetSpec) else []
