@@ -294,6 +294,10 @@ class GateMetrics(_Payload):
     latency_p95_ms: float
     tokens_per_task: float
     """Generated tokens per attempt at a task (all turns)."""
+    tokens_per_turn: float | None = None
+    """Generated tokens per assistant turn (attempts cut before a turn count as one): what
+    the cost check compares, so that an episode taking the turns its task needs is not read
+    as a cost regression. None in records written before it was kept."""
     groups: dict[str, float]
     """Success rate per task group: `env:<name>`, `tool:<expected tool>`, `mode:<failure>`."""
     group_samples: dict[str, int]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -100,6 +101,25 @@ def test_one_task_group_collapsing_while_mean_improves_rejects() -> None:
     assert failed == {"group:tool:search_docs"}, d.reasons
     assert d.recommendation == "reject"
     assert "search_docs" in " ".join(d.reasons)
+
+
+def test_the_cost_guard_counts_tokens_per_turn_so_an_episodes_turns_are_no_regression(
+        ) -> None:
+    """A candidate that works episodes through three turns where production gave up after
+    one spends 3× the tokens per task and the same per turn: no cost regression. Padding
+    every turn is one."""
+    def turns(r: EvalRun, n: int, tokens: int) -> EvalRun:
+        return EvalRun(version=r.version, task_groups=r.task_groups, attempts=[
+            dataclasses.replace(a, turns=n, tokens=tokens) for a in r.attempts])
+
+    base = turns(BASE, 1, 20)
+    worked = decide(turns(run(3, tasks(40, 4, lambda i: 0.75)), 3, 60), base, RULE)
+    assert worked.recommendation == "promote", worked.reasons
+    assert worked.candidate.tokens_per_task == 3 * worked.baseline.tokens_per_task
+    assert worked.candidate.tokens_per_turn == worked.baseline.tokens_per_turn == 20
+    padded = decide(turns(run(3, tasks(40, 4, lambda i: 0.75)), 3, 120), base, RULE)
+    assert {c.name for c in padded.checks if not c.passed} == {"tokens_per_turn"}
+    assert padded.recommendation == "reject"
 
 
 def test_mcnemar_exact_one_sided() -> None:

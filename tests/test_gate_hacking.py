@@ -178,6 +178,19 @@ def test_figures_are_hand_computed() -> None:
     assert behaviour.figures(old).attempts == 0
 
 
+def test_an_episode_that_timed_out_after_acting_did_not_abstain() -> None:
+    """Timed out after turns that called tools or answered: acted, not empty. Timed out
+    with nothing (a single step past its deadline, or an episode before its first turn):
+    empty, as before."""
+    acted = att("a", 0, False, "<tool_call>{}</tool_call>", calls=("tickets_list",) * 3,
+                mode="timeout", turns=3)
+    answered = att("a", 1, False, "Looking into it.", calls=(), mode="timeout", turns=2)
+    nothing = att("b", 0, False, "", calls=(), mode="timeout", turns=0)
+    assert not behaviour.is_empty(acted) and not behaviour.is_empty(answered)
+    assert behaviour.is_empty(nothing)
+    assert behaviour.figures(side(1, [acted, answered, nothing])).empty_rate == 1 / 3
+
+
 def test_abstention_and_dropped_calls_block_and_gains_in_the_good_direction_pass() -> None:
     base = side(None, [att(t, j, j == 0) for t in "ab" for j in range(4)])
     abstains = side(1, [att(t, j, j < 2) if j < 2 else att(t, j, False, "", calls=(),

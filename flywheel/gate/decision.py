@@ -62,6 +62,8 @@ def metrics(run: EvalRun) -> GateMetrics:
         latency_mean_ms=statistics.fmean([x.latency_ms for x in a]) if a else 0.0,
         latency_p95_ms=_p95([x.latency_ms for x in a]),
         tokens_per_task=statistics.fmean([x.tokens for x in a]) if a else 0.0,
+        tokens_per_turn=sum(x.tokens for x in a) / sum(max(1, x.turns) for x in a)
+        if a else 0.0,
         groups={g: _rate(v) for g, v in sorted(groups.items())},
         group_samples={g: len(v) for g, v in sorted(groups.items())},
         failure_modes=failure_counts(run), not_run_kinds=dict(sorted(run.not_run_kinds.items())))
@@ -239,8 +241,8 @@ def decide(cand: EvalRun, base: EvalRun, rule: Rule,
                   detail=f"mean reward {mb.mean_reward:.3f} → {mc.mean_reward:.3f} "
                          f"(may drop at most {rule.reward_tolerance})"),
         _latency(mc, mb, probe, rule.latency_p95_ratio),
-        _ratio("tokens_per_task", mc.tokens_per_task, mb.tokens_per_task, rule.tokens_ratio,
-               "tokens per task"),
+        _ratio("tokens_per_turn", mc.tokens_per_turn or 0.0, mb.tokens_per_turn or 0.0,
+               rule.tokens_ratio, "tokens per assistant turn"),
     ]
     for g in sorted(set(mc.groups) & set(mb.groups)):
         if min(mc.group_samples[g], mb.group_samples[g]) < rule.group_min_samples:
