@@ -34,8 +34,8 @@ def is_empty(a: Attempt) -> bool:
     episode that timed out after turns that answered or called tools did not abstain: it
     acted and ran out of time (a scored failure all the same); counted as abstaining, a
     candidate that works through more turns than production read as one that answers
-    nothing (a stack's gate: 46 of 92 episode attempts timed out after 2.7 turns on
-    average, and the abstention check failed 0.000 → 0.359)."""
+    nothing (a stack's gate: 46 of 92 episode attempts timed out after acting, and the
+    abstention check failed 0.000 → 0.359)."""
     if a.failure_mode == "timeout" and a.turns > 0 and (a.reply.strip() or a.calls):
         return False
     return a.failure_mode in _NO_OUTPUT or (not a.reply.strip() and not a.calls)
