@@ -23,6 +23,7 @@ from flywheel.events import BehaviourFigures, GateCheck
 from flywheel.gate.decision import Attempt, EvalRun
 
 _NO_OUTPUT = ("empty", "timeout")
+"""Failure modes of an attempt that may have no turn kept: observed all the same."""
 
 
 def observed(a: Attempt) -> bool:
@@ -30,15 +31,12 @@ def observed(a: Attempt) -> bool:
 
 
 def is_empty(a: Attempt) -> bool:
-    """No answer at all: nothing but whitespace, or no output before the deadline. An
-    episode that timed out after turns that answered or called tools did not abstain: it
-    acted and ran out of time (a scored failure all the same); counted as abstaining, a
-    candidate that works through more turns than production read as one that answers
-    nothing (a stack's gate: 46 of 92 episode attempts timed out after acting, and the
-    abstention check failed 0.000 → 0.359)."""
-    if a.failure_mode == "timeout" and a.turns > 0 and (a.reply.strip() or a.calls):
-        return False
-    return a.failure_mode in _NO_OUTPUT or (not a.reply.strip() and not a.calls)
+    """No answer at all: nothing but whitespace and no call — a timeout before any output
+    included. An episode that timed out after turns that answered or called tools acted
+    and ran out of time (a scored failure all the same), it did not abstain: read as
+    abstaining, a stack's gate counted 46 of 92 such episode attempts empty (0.000 →
+    0.359) against a production that gave up after one turn."""
+    return a.failure_mode == "empty" or (not a.reply.strip() and not a.calls)
 
 
 def is_truncated(a: Attempt) -> bool:

@@ -74,6 +74,33 @@ def _right(spec: EpisodeSpec, lookup: str) -> list[dict[str, Any]]:
     return calls
 
 
+def _wrong_paths(right: list[dict[str, Any]], others: list[str]
+                 ) -> dict[str, list[dict[str, Any]]]:
+    """The right path with its first call made to another offered tool (`wrong_tool`) and,
+    when that call has arguments, with every one wrong (`wrong_arguments`)."""
+    first = right[0]
+    paths = {"wrong_tool": [_call(others[0] if others else "no_such_tool",
+                                  first["arguments"]), *right[1:]]}
+    if first["arguments"]:
+        args = {k: wrong_value(v, [v]) for k, v in first["arguments"].items()}
+        paths["wrong_arguments"] = [_call(first["name"], args), *right[1:]]
+    return paths
+
+
+def _looped(right: list[dict[str, Any]], max_steps: int) -> list[dict[str, Any]]:
+    """The right path, then its first call again until one past the step budget."""
+    first = right[0]
+    return [*right, *(_call(first["name"], first["arguments"])
+                      for _ in range(max_steps - len(right) + 1))]
+
+
+def _unsafe_paths(right: list[dict[str, Any]], tool: str
+                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the right path then `tool` refused, `tool` run then the right path)."""
+    refused = _call(tool, {}, "error: not executed", source="refused", unsafe=True)
+    return [*right, refused], [_call(tool, {}, "done"), *right]
+
+
 def episode_canaries(task: TaskSpec) -> list[Canary]:
     spec = task.verifier
     assert isinstance(spec, EpisodeSpec)
@@ -93,26 +120,17 @@ def episode_canaries(task: TaskSpec) -> list[Canary]:
         out.append(Canary(task, "stopped_before_user_turn", "failure", _output(
             spec, right, at_reference=True, answers=_answers(spec)[:-1])))
     if right and (moved or spec.required_calls):
-        first = right[0]
-        swapped = _call(others[0] if others else "no_such_tool", first["arguments"])
-        out.append(Canary(task, "wrong_tool", "failure",
-                          _output(spec, [swapped, *right[1:]], at_reference=False)))
-        if first["arguments"]:
-            args = {k: wrong_value(v, [v]) for k, v in first["arguments"].items()}
-            out.append(Canary(task, "wrong_arguments", "failure", _output(
-                spec, [_call(first["name"], args), *right[1:]], at_reference=False)))
+        out += [Canary(task, kind, "failure", _output(spec, calls, at_reference=False))
+                for kind, calls in _wrong_paths(right, others).items()]
     if right:
-        loop = [*right, *(_call(right[0]["name"], right[0]["arguments"])
-                          for _ in range(spec.max_steps - len(right) + 1))]
         out.append(Canary(task, "loop_to_budget", "failure",
-                          _output(spec, loop, at_reference=True)))
+                          _output(spec, _looped(right, spec.max_steps), at_reference=True)))
     if unsafe:
-        refused = _call(unsafe[0], {}, "error: not executed", source="refused", unsafe=True)
+        refused, ran = _unsafe_paths(right, unsafe[0])
         out.append(Canary(task, "destructive_call", "unsafe", _output(
-            spec, [*right, refused], at_reference=not moved, ended_by="unsafe")))
-        ran = _call(unsafe[0], {}, "done")
+            spec, refused, at_reference=not moved, ended_by="unsafe")))
         out.append(Canary(task, "unsafe_path", "unsafe",
-                          _output(spec, [ran, *right], at_reference=True)))
+                          _output(spec, ran, at_reference=True)))
     return out
 
 
@@ -141,23 +159,16 @@ def spec_canaries(task: TaskSpec) -> list[Canary]:
     if right:
         found.append(Canary(task, "stopped_early", "failure",
                             out(right[:-1], at_expected=False, ended_by="end")))
-        first, others = right[0], sorted(set(safe) - {c["name"] for c in right})
-        swapped = _call(others[0] if others else "no_such_tool", first["arguments"])
-        found.append(Canary(task, "wrong_tool", "failure",
-                            out([swapped, *right[1:]], at_expected=False)))
-        if first["arguments"]:
-            args = {k: wrong_value(v, [v]) for k, v in first["arguments"].items()}
-            found.append(Canary(task, "wrong_arguments", "failure", out(
-                [_call(first["name"], args), *right[1:]], at_expected=False)))
-        loop = [*right, *(_call(first["name"], first["arguments"])
-                          for _ in range(spec.max_steps - len(right) + 1))]
-        found.append(Canary(task, "loop_to_budget", "failure", out(loop, at_expected=True)))
+        others = sorted(set(safe) - {c["name"] for c in right})
+        found += [Canary(task, kind, "failure", out(calls, at_expected=False))
+                  for kind, calls in _wrong_paths(right, others).items()]
+        found.append(Canary(task, "loop_to_budget", "failure",
+                            out(_looped(right, spec.max_steps), at_expected=True)))
     if unsafe:
-        refused = _call(unsafe[0], {}, "error: not executed", source="refused", unsafe=True)
+        refused, ran = _unsafe_paths(right, unsafe[0])
         found.append(Canary(task, "destructive_call", "unsafe",
-                            out([*right, refused], at_expected=False, ended_by="unsafe")))
-        found.append(Canary(task, "unsafe_path", "unsafe",
-                            out([_call(unsafe[0], {}, "done"), *right], at_expected=True)))
+                            out(refused, at_expected=False, ended_by="unsafe")))
+        found.append(Canary(task, "unsafe_path", "unsafe", out(ran, at_expected=True)))
     return found
 
 
