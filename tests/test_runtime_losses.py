@@ -75,3 +75,30 @@ async def test_an_instance_lost_before_any_read_has_an_unknown_loss_not_zero(
     losses.add(loss)
     assert not await losses.recount("postgresql+asyncpg://nobody@127.0.0.1:1/none")
     assert Losses(tmp_path).open()[0]["not_stored"] is None  # still open, still unknown
+
+
+async def test_a_cancellation_leaking_out_of_a_read_is_a_failed_read_not_the_end(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """aiokafka's `consumer.stop` can let its fetcher's CancelledError out when the broker
+    dies mid-read (it ended the stack's watch thread in a clean-clone CI run); a read that
+    meets it answers None. A cancellation of the reading task itself still propagates."""
+    import asyncio
+
+    from flywheel.stack import drain
+
+    async def leaks(bootstrap: str, group: str, topic: str) -> dict[int, tuple[int, int]]:
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(drain, "group_positions", leaks)
+    assert await drain.read_positions("127.0.0.1:1", [("g", "t")]) is None
+
+    async def hangs(bootstrap: str, group: str, topic: str) -> dict[int, tuple[int, int]]:
+        await asyncio.sleep(60)
+        return {}
+
+    monkeypatch.setattr(drain, "group_positions", hangs)
+    task = asyncio.ensure_future(drain.read_positions("127.0.0.1:1", [("g", "t")]))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

@@ -230,6 +230,11 @@ async def loss_view(bootstrap: str, settings: Settings,
         keys = {traj: await unstored(bootstrap, traj, parts)}
     except Exception:  # the broker stopped answering: counted by offsets
         keys = {}
+    except asyncio.CancelledError:  # aiokafka's stop leaking its fetcher's cancellation
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        keys = {}
     return {"stored_positions": stored, "unstored": keys}
 
 

@@ -126,6 +126,14 @@ async def read_positions(bootstrap: str, groups: list[tuple[str, str]]) -> Posit
             found = await asyncio.gather(*(group_positions(bootstrap, g, t) for g, t in groups))
     except Exception:
         return None
+    except asyncio.CancelledError:
+        # aiokafka's `consumer.stop` lets its fetcher's own cancellation out when the broker
+        # dies mid-read; that ended the stack's watch thread (no read of any later instance:
+        # losses unknown). Only a cancellation of this task is passed on.
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        return None
     return {g: parts for (g, _), parts in zip(groups, found, strict=True)}
 
 

@@ -261,10 +261,13 @@ class Stack:
                 return  # an external Kafka is durable: nothing to track
             started = time.time()
             bootstrap = self.settings.kafka.bootstrap
-            positions = asyncio.run(read_positions(bootstrap, groups))
-            if positions is not None:
-                view = asyncio.run(loss_view(bootstrap, self.settings, positions))
-                self.healer.record_positions(positions, started, view)
+            try:  # one failed round must never end the watch: later losses go unknown
+                positions = asyncio.run(read_positions(bootstrap, groups))
+                if positions is not None:
+                    view = asyncio.run(loss_view(bootstrap, self.settings, positions))
+                    self.healer.record_positions(positions, started, view)
+            except (Exception, asyncio.CancelledError):
+                log.exception("a read of the broker's positions failed (retried next round)")
 
     # ---------------------------------------------------------------- stop
 
