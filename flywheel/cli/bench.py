@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -239,6 +239,63 @@ def bench_episode_learning(
     print_result(run_episode_learning(seed=seed, holdout_tasks=holdout_tasks, samples=samples,
                                       sft_steps=steps, base=base, grpo_steps=grpo_steps,
                                       grpo_batch=grpo_batch), as_json)
+
+
+@bench_app.command("outside")
+def bench_outside(
+    api: Annotated[str | None, typer.Option(help="Base URL of the API (default: the local "
+                                            "stack's).")] = None,
+    api_key: Annotated[str | None, typer.Option(
+        envvar="OPENAI_API_KEY", help="Bearer token with the publish scope (default: the "
+        "local stack's publish token).")] = None,
+    before: Annotated[str, typer.Option(help="The model compared against.")] = "base",
+    after: Annotated[str, typer.Option(help="The model measured.")] = "production",
+    mcp: Annotated[str | None, typer.Option(
+        help="Command of the MCP server the agent runs the tools on (stdio; default: the "
+             "example server, the workplace world).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the simulated helpdesk traffic the "
+                                      "held-out episodes are mined from.")] = 29,
+    episodes: Annotated[int, typer.Option(help="Held-out episodes run.")] = 20,
+    samples: Annotated[int, typer.Option(help="Attempts per episode and model.")] = 2,
+    temperature: Annotated[float | None, typer.Option(
+        help="Sampling temperature (default: the gate's).")] = None,
+    in_flight: Annotated[int, typer.Option(help="Attempts run at once.")] = 8,
+    as_json: JsonOpt = False,
+) -> None:
+    """Held-out episodes measured from outside: an agent loop with the official `openai`
+    client against /v1/chat/completions, executing the tools itself on an MCP server, for
+    two models (default base and production), attempts paired by seed: success of each,
+    the gain with a bootstrap interval and McNemar's p."""
+    from flywheel.bench.outside import run_outside
+    from flywheel.runtime.endpoints import StackNotRunning, resolve_api_url
+
+    settings = load_settings()
+    try:
+        url = api or resolve_api_url(settings)
+    except StackNotRunning as err:
+        fail(str(err))
+    key = api_key or _publish_token(settings)
+    if key is None:
+        fail("no token: pass --api-key (a token with the publish scope)")
+    print_result(run_outside(api_url=url, api_key=key, before=before, after=after, mcp=mcp,
+                             seed=seed, episodes=episodes, samples=samples,
+                             temperature=temperature, in_flight=in_flight), as_json)
+
+
+def _publish_token(settings: Any) -> str | None:
+    """A configured token with the publish scope, else the local stack's (tokens.json)."""
+    import json
+
+    tokens = dict(settings.api.tokens)
+    path = settings.home / "tokens.json"
+    if not tokens and path.exists():
+        tokens = json.loads(path.read_text())
+    for token, grant in tokens.items():
+        scopes = grant if isinstance(grant, list) else (grant.get("scopes") or []) \
+            if isinstance(grant, dict) else grant.scopes
+        if "publish" in scopes:
+            return str(token)
+    return None
 
 
 @bench_app.command("gpu", context_settings={"allow_extra_args": True,
