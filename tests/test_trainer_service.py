@@ -236,3 +236,41 @@ async def test_transient_failures_never_skip_nor_stall_the_commit(
     assert [p.offset for p in service.batch] == [1, 2]
     assert consumer.calls == [{TopicPartition("r", 0): 1}]
     await engine.dispose()
+
+
+async def test_a_holdout_with_no_eval_set_is_named_where_the_user_looks(
+        settings: Settings, db_url: str) -> None:
+    """Holdout tasks mined but no eval set frozen: nothing is decided and the first training
+    waits; `flywheel status` (the gate's warning) and the trainer's status say what to run,
+    not only the gate's log. Once frozen, neither says it."""
+    import asyncio
+
+    from flywheel.mining.store import freeze_eval_set
+    from flywheel.observe.status import counts
+
+    task = TaskSpec(task_id=uuid.uuid4(), env="tool_call", tools=TOOLS,
+                    messages=[{"role": "user", "content": "Weather in Pune?"}],
+                    verifier=ToolCallSpec(expected=ExpectedCall(name="get_weather",
+                                                                arguments={"city": "Pune"})),
+                    failure_mode="bad_arguments", fingerprint="fp-pune", split="holdout")
+    engine = make_engine(db_url)
+    async with engine.begin() as conn:
+        await store_task(conn, task, uuid.uuid4(), "human_correction", settings.topics)
+        warning = (await counts(conn, settings.policy))["gate"]["warning"]
+    assert "`flywheel evalset freeze`" in warning and "(1 tasks now)" in warning
+    s = settings.model_copy(update={"trainer": settings.trainer.model_copy(
+        update={"baseline_wait_s": 0.3})})
+    service = TrainerService(s, engine)
+    waiting = asyncio.create_task(service._wait_for_baseline())
+    await asyncio.sleep(0.1)
+    assert "no eval set is frozen yet: `flywheel evalset freeze`" in (service.status.detail
+                                                                      or "")
+    assert await asyncio.wait_for(waiting, 10) is None
+    async with engine.begin() as conn:
+        await freeze_eval_set(conn, settings.topics)
+        assert (await counts(conn, settings.policy))["gate"]["warning"] is None
+    waiting = asyncio.create_task(service._wait_for_baseline())
+    await asyncio.sleep(0.1)
+    assert "none in progress yet" in (service.status.detail or "")
+    assert await asyncio.wait_for(waiting, 10) is None
+    await engine.dispose()

@@ -110,6 +110,18 @@ async def gate(conn: AsyncConnection, policy: str) -> dict[str, Any]:
     return found
 
 
+def _unfrozen(found: dict[str, Any], evalset_version: int, holdout: int) -> dict[str, Any]:
+    """The gate's `warning` while holdout tasks wait for an eval set: nothing is decided,
+    and the first training waits for a baseline, until one is frozen — the step a new
+    user publishing logs misses (the gate only logs that it is retrying)."""
+    if evalset_version == 0 and holdout > 0 and found["warning"] is None:
+        found["warning"] = (f"no eval set is frozen: the gate takes no baseline and decides "
+                            f"no candidate, and training waits for the baseline, until "
+                            f"`flywheel evalset freeze` freezes the holdout ({holdout} "
+                            f"tasks now)")
+    return found
+
+
 async def counts(conn: AsyncConnection, policy: str) -> dict[str, Any]:
     """Every Postgres figure of `flywheel status --json` (all but `lag`)."""
     row = (await conn.execute(_COUNTS)).mappings().one()
@@ -128,7 +140,8 @@ async def counts(conn: AsyncConnection, policy: str) -> dict[str, Any]:
         "failure_modes": modes,
         "tasks_by_split": splits,
         "trainer": _trainer(trainer),
-        "gate": await gate(conn, policy),
+        "gate": _unfrozen(await gate(conn, policy), int(row["evalset_version"]),
+                          int(row["tasks_holdout"])),
         "validation": await validation(conn, policy),
     }
 

@@ -34,6 +34,7 @@ async def wait_for_baseline(engine: AsyncEngine, policy: str, wait_s: float,
         async with engine.connect() as conn:
             baseline = await registry.latest_baseline(conn, policy)
             gate = await registry.gate_activity(conn, policy)
+            frozen = baseline is not None or await registry.newest_eval_set(conn) is not None
         if baseline is not None:
             return baseline
         waited = time.monotonic() - started
@@ -44,7 +45,9 @@ async def wait_for_baseline(engine: AsyncEngine, policy: str, wait_s: float,
         elif waited >= wait_s:
             return None
         else:
-            report(f"waiting for the gate's baseline ({waited:.0f}s; none in progress yet"
-                   f"{'' if gate is None else ', gate ' + gate['state']}; gives up at "
+            why = ("no eval set is frozen yet: `flywheel evalset freeze`" if not frozen
+                   else "none in progress yet"
+                   + ("" if gate is None else ", gate " + gate["state"]))
+            report(f"waiting for the gate's baseline ({waited:.0f}s; {why}; gives up at "
                    f"{wait_s:.0f}s)")
         await asyncio.sleep(POLL_S)
