@@ -171,8 +171,12 @@ class RolloutSettings(BaseModel):
     head, hence sampling log-probs, stays fp32: `flywheel.policy.precision`), fp32 on the
     CPU; `fp32`; `bf16`."""
     rollout_timeout_s: float = 600.0
-    """Per-rollout deadline: a straggler is typed `timeout` and excluded, never scored 0.
-    Sized for multi-step groups on the CPU engine (a GPU finishes far sooner)."""
+    """Per-attempt deadline: an attempt past it is a scored failure (`timeout`, reward 0).
+    On the local engine an episode's deadline counts its own time — the forward passes its
+    rows were in, its tool calls — not its wait behind other requests (a gate round puts
+    every task's episodes on one engine); any one wait is still bounded by it, so a hung
+    engine or toolset ends the attempt. With vLLM the whole wait counts. Sized for
+    multi-step groups on the CPU engine (a GPU finishes far sooner)."""
     min_scored: int = 2
     """A group with fewer scored attempts is recorded but not trainable."""
     max_staleness: int = 2

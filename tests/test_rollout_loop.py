@@ -235,3 +235,60 @@ def test_a_cut_reply_that_called_an_unsafe_tool_stays_an_unsafe_action() -> None
     assert score(unsafe, cut).failure_mode == "unsafe_action"
     wrong = VerifierResult(reward=0.0, reward_components={}, failure_mode="wrong_tool")
     assert score(wrong, cut).failure_mode == "truncated"
+
+
+class _Queued(Lockstep):
+    """A batched engine that makes each call wait `wait_s` (behind other requests, as a gate
+    round's episodes wait on one CPU engine) and reports `own_ms` of forward passes per row."""
+
+    def __init__(self, reply: Any, fmt: ChatFormat, wait_s: float, own_ms: float) -> None:
+        super().__init__(reply, fmt)
+        self.wait_s, self.own_ms = wait_s, own_ms
+
+    async def sample_many(self, prompts: Any, params: Any, *, tools: Any = None,
+                          adapter: Any = None) -> list[list[Any]]:
+        await asyncio.sleep(self.wait_s)
+        out = await super().sample_many(prompts, params, tools=tools, adapter=adapter)
+        for row in out:
+            for c in row:
+                c.extra["batch_ms"] = self.own_ms
+        return out
+
+
+async def test_an_episode_deadline_counts_its_own_time_not_its_queueing(fmt: ChatFormat
+                                                                        ) -> None:
+    async def reply(messages: list[dict[str, Any]], seed: int | None, _i: int) -> str:
+        return _email(messages)
+
+    cfg = GroupConfig(group_size=2, rollout_timeout_s=1.0, max_steps=4)
+    # Two turns, each waiting 0.7 s for the engine and taking it 10 ms: 1.4 s of wall time,
+    # 20 ms of its own. Under the 1 s deadline, and it succeeds.
+    started = time.perf_counter()
+    out = await run_group(_Queued(reply, fmt, 0.7, 10.0), _workplace_task(),
+                          load_environment("workplace"), cfg, adapter=None, seed=0,
+                          group_key="g")
+    assert time.perf_counter() - started > cfg.rollout_timeout_s
+    assert [r.reward for r in out.rollouts] == [1.0, 1.0], [r.failure_mode for r in out.rollouts]
+    # The same episodes whose forward passes took 0.7 s a turn (the engine's own time): the
+    # second turn passes the deadline, a scored timeout.
+    out = await run_group(_Queued(reply, fmt, 0.0, 700.0), _workplace_task(),
+                          load_environment("workplace"), cfg, adapter=None, seed=0,
+                          group_key="g")
+    assert all(r.failure_mode == "timeout" and r.reward == 0.0 and len(r.turns) == 2
+               for r in out.rollouts), [(r.failure_mode, len(r.turns)) for r in out.rollouts]
+    # An engine that reports no forward time (vLLM) is charged its whole wait.
+    slow = _Queued(reply, fmt, 0.7, 0.0)
+    slow.sample_many = _without_own_time(slow.sample_many)  # type: ignore[method-assign]
+    out = await run_group(slow, _workplace_task(), load_environment("workplace"), cfg,
+                          adapter=None, seed=0, group_key="g")
+    assert all(r.failure_mode == "timeout" for r in out.rollouts)
+
+
+def _without_own_time(sample_many: Any) -> Any:
+    async def call(*args: Any, **kwargs: Any) -> list[list[Any]]:
+        out = await sample_many(*args, **kwargs)
+        for row in out:
+            for c in row:
+                c.extra.pop("batch_ms")
+        return out
+    return call

@@ -14,7 +14,8 @@ environment has a next user message for it (`anext_user`: an episode task's scri
 which is appended after the answer and the episode goes on; the user's words are prompt,
 never sampled, so never trained on. Each turn records the
 exact prompt ids it was sampled after. Each episode runs under its own deadline, so one
-straggler cannot hold the group. On a toolset (`flywheel.environments.toolset`) a call may
+straggler cannot hold the group; in lockstep (below) the deadline counts the episode's own
+time, not its queueing for the engine. On a toolset (`flywheel.environments.toolset`) a call may
 end the episode (the replay rule `end`, a destructive call refused) and says where its
 answer came from (replay, live, a stub; the replay rule that fired): kept on the turn as
 `Turn.tools`. A toolset the infrastructure failed (its server died) leaves the attempt not
@@ -306,28 +307,51 @@ async def _act(env: Environment, ep: _Episode, reply: dict[str, Any], timeout: f
     ep.finished = acted.ended
 
 
+def own_seconds(c: Completion, waited_s: float) -> float:
+    """The time a completion took the engine itself: the forward passes its row was in
+    (`extra["batch_ms"]`, the local engine's), not its wait behind other requests; an
+    engine that does not say (vLLM schedules its own queue) is charged the whole wait."""
+    ms = c.extra.get("batch_ms")
+    return float(ms) / 1000 if isinstance(ms, int | float) else waited_s
+
+
+async def _charged(spent: dict[int, float], index: int, step: Any) -> None:
+    """Run `step` (an episode's tool calls, its next user turn) and charge its time."""
+    started = time.perf_counter()
+    try:
+        await step
+    finally:
+        spent[index] += time.perf_counter() - started
+
+
 async def _lockstep(policy: Any, task: TaskSpec, env: Environment, prompt: _Prompt,
                     cfg: GroupConfig, adapter: AdapterRef | None, seed: int, group_key: str
                     ) -> list[ScoredRollout]:
-    loop = asyncio.get_running_loop()
+    """The group's episodes, one batched generate per turn. Each attempt's deadline counts
+    its own time: the engine's forward passes its rows were in, its tool calls and its
+    environment's turns — not the time it waited for the engine behind other requests (a
+    gate round puts every task's episodes on one CPU engine, and on 2 cores half of a
+    candidate's episodes ran past a wall-clock deadline only queueing). Any one wait (a
+    batched sample, a step) is still bounded by `rollout_timeout_s`, so a hung engine or
+    toolset ends the attempts."""
+    budget = cfg.rollout_timeout_s
     eps = [_Episode(i, f"{group_key}/{i}", list(prompt.messages))
            for i in range(cfg.group_size)]
     opened = await env.aopen([e.session for e in eps], task.verifier)
     for ep, err in zip(eps, opened, strict=True):
         ep.result = err
-    # The deadline starts once the sessions are open: waiting for a toolset's session
-    # slots is the infrastructure's time, not the model's.
-    deadline = loop.time() + cfg.rollout_timeout_s
+    # Waiting for a toolset's session slots is the infrastructure's time, not the model's.
+    spent = {e.index: 0.0 for e in eps}
     try:
         for step in range(cfg.max_steps):
             live = [e for e in eps if e.result is None and not e.finished]
             if not live:
                 break
+            started = time.perf_counter()
             try:
                 batches = await asyncio.wait_for(
                     policy.sample_many([e.messages for e in live], _params(cfg, 1, seed + step),
-                                       tools=prompt.tools, adapter=adapter),
-                    max(deadline - loop.time(), 0.001))
+                                       tools=prompt.tools, adapter=adapter), budget)
             except TimeoutError:
                 for e in live:
                     e.result = failed("timeout", "sampling exceeded the rollout deadline")
@@ -336,19 +360,26 @@ async def _lockstep(policy: Any, task: TaskSpec, env: Environment, prompt: _Prom
                 for e in live:
                     e.result = RolloutNotRun("crash", str(err))
                 break
+            waited = time.perf_counter() - started
             acting = []
             for e, (c,) in zip(live, batches, strict=True):
                 e.turns.append(_turn(c))
+                spent[e.index] += own_seconds(c, waited)
+                left = budget - spent[e.index]
+                if left <= 0:
+                    e.result = failed("timeout", f"the episode's own time (generation and "
+                                      f"tool calls) passed the {budget:.0f}s deadline")
+                    continue
                 reply = _reply(policy.chat_format, c, step)
                 if reply is None:
-                    acting.append(_answered(env, e, policy.chat_format, c,
-                                            deadline - loop.time()))
+                    acting.append(_charged(spent, e.index, _answered(
+                        env, e, policy.chat_format, c, left)))
                 else:
-                    acting.append(_act(env, e, reply, deadline - loop.time()))
+                    acting.append(_charged(spent, e.index, _act(env, e, reply, left)))
             await asyncio.gather(*acting)
         for e in eps:
             if e.result is None:
-                e.result = await _output(env, task, e.session, deadline - loop.time())
+                e.result = await _output(env, task, e.session, budget - spent[e.index])
     finally:
         for e in eps:
             if opened[e.index] is None:
