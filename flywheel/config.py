@@ -128,6 +128,13 @@ class RolloutSettings(BaseModel):
     """G: attempts per task per group."""
     max_tokens: int = 64
     """Most new tokens per model turn."""
+    episode_max_tokens: int | None = Field(default=96, ge=1)
+    """Most new tokens per model turn of a task on a registered toolset (episode and
+    toolset tasks), when more than `max_tokens`: their calls are longer than a single
+    step's — in the simulated helpdesk's episodes every `calendar_create_event` takes
+    66–77 tokens in the bundled chat format (184 calls of 95 episodes: median 53, 26 past
+    64), so at 64 no attempt could make it. Serving answers 256 when a request sets none.
+    None = `max_tokens`."""
     temperature: float = Field(default=1.0, gt=0)
     """Sampling temperature (> 0: groups need diversity)."""
     max_steps: int = 8

@@ -55,7 +55,7 @@ from flywheel.mining.episodes import toolset_tools
 from flywheel.mining.store import freeze_eval_set, store_task
 from flywheel.policy.chat_format import openai_tools
 from flywheel.policy.model_cache import resolve_model_dir
-from flywheel.rollout.loop import score
+from flywheel.rollout.loop import score, turn_tokens
 from flywheel.tasks import EpisodeSpec, ExpectedCall, TaskSpec, ToolCallSpec
 from flywheel.tools.descriptors import Registration
 from flywheel.tools.runtime import Catalog
@@ -145,7 +145,9 @@ async def _served_episode(base_url: str, task: TaskSpec, catalog: Catalog, s: Se
             for step in range(budget):
                 answer = await client.chat.completions.create(
                     model="production", messages=messages, tools=openai_tools(task.tools),
-                    temperature=0, seed=seed + step, max_tokens=s.rollout.max_tokens,
+                    temperature=0, seed=seed + step,
+                    # The gate's limit for a turn of an episode (`episode_max_tokens`).
+                    max_tokens=turn_tokens(task, gate_evaluate._config(s)),
                     extra_body={"return_token_ids": True})
                 (choice,) = answer.choices
                 assert answer.model == "policy@v1", answer.model

@@ -292,3 +292,25 @@ def _without_own_time(sample_many: Any) -> Any:
                 c.extra.pop("batch_ms")
         return out
     return call
+
+
+def test_a_turn_on_a_toolset_gets_the_episode_token_limit() -> None:
+    """A task on a registered toolset gets `episode_max_tokens` per turn when it is more
+    (the helpdesk's calendar_create_event calls take 66-77 tokens: never made at 64);
+    single steps and the bundled world keep `max_tokens`."""
+    from flywheel.config import RolloutSettings, Settings
+    from flywheel.rollout.loop import turn_tokens
+    from flywheel.rollout.worker import group_config
+    from flywheel.tasks import EpisodeSpec
+
+    episode = TaskSpec(task_id=uuid.uuid4(), env="toolset", tools=[],
+                       messages=[{"role": "user", "content": "Book it."}],
+                       verifier=EpisodeSpec(toolset="workplace", toolset_version=1,
+                                            answer_contains=["booked"]),
+                       failure_mode="incomplete", fingerprint="e", split="train")
+    cfg = group_config(Settings(rollout=RolloutSettings()))
+    assert (cfg.max_tokens, cfg.episode_max_tokens) == (64, 96)
+    assert turn_tokens(episode, cfg) == 96
+    assert turn_tokens(_workplace_task(), cfg) == 64
+    assert turn_tokens(episode, dataclasses.replace(cfg, max_tokens=128)) == 128
+    assert turn_tokens(episode, dataclasses.replace(cfg, episode_max_tokens=None)) == 64

@@ -142,11 +142,14 @@ async def _run(*, records: int, seed: int, holdout_tasks: int, samples: int,
     policy = LocalPolicy(model_dir, max_batch=rows)
     trainer = LoRATrainer(model_dir, lora=LoRASpec(), grpo=GRPOConfig(), lr=s.trainer.lr,
                           micro_batch=micro_batch)
-    cfg = GroupConfig(group_size=samples, max_tokens=s.rollout.max_tokens, temperature=1.0,
+    cfg = GroupConfig(group_size=samples, max_tokens=s.rollout.max_tokens,
+                      episode_max_tokens=s.rollout.episode_max_tokens, temperature=1.0,
                       max_steps=s.rollout.max_steps,
                       rollout_timeout_s=s.rollout.rollout_timeout_s)
     out: dict[str, Any] = {**counts, "holdout_tasks_run": len(held), "samples": samples,
-                           "max_tokens": cfg.max_tokens, "max_steps": cfg.max_steps,
+                           "max_tokens": cfg.max_tokens,
+                           "episode_max_tokens": cfg.episode_max_tokens,
+                           "max_steps": cfg.max_steps,
                            "sft_batch": s.trainer.sft_batch, "sft_lr": s.trainer.sft_lr,
                            "micro_batch": micro_batch,
                            "seed": seed, "checkpoints": []}
@@ -207,7 +210,8 @@ async def _grpo(policy: Policy, trainer: Any, env: ToolsetEnvironment, tasks: li
     """`steps` GRPO steps on `tasks` from `adapter`; the curve and the last adapter."""
     r = s.rollout
     cfg = GroupConfig(group_size=r.group_size, max_tokens=r.max_tokens,
-                      temperature=r.temperature, max_steps=r.max_steps,
+                      episode_max_tokens=r.episode_max_tokens, temperature=r.temperature,
+                      max_steps=r.max_steps,
                       rollout_timeout_s=r.rollout_timeout_s)
     started = time.perf_counter()
     curve: list[dict[str, Any]] = []

@@ -126,14 +126,17 @@ async def _run(n: int, seed: int, adapter_dir: Path | None) -> dict[str, Any]:
     load = os.getloadavg()[0]
     out: dict[str, Any] = {"tasks": n, "seed": seed, "group_size": r.group_size,
                            "adapter": None if adapter_dir is None else str(adapter_dir),
-                           "max_tokens": r.max_tokens, "max_steps": r.max_steps,
+                           "max_tokens": r.max_tokens,
+                           "episode_max_tokens": r.episode_max_tokens, "max_steps": r.max_steps,
                            "round_samples": g.round_samples}
     try:
         for stage, cfg in (
                 ("group", GroupConfig(group_size=r.group_size, max_tokens=r.max_tokens,
+                                      episode_max_tokens=r.episode_max_tokens,
                                       temperature=r.temperature, max_steps=r.max_steps,
                                       rollout_timeout_s=r.rollout_timeout_s)),
                 ("gate_round", GroupConfig(group_size=g.round_samples, max_tokens=r.max_tokens,
+                                           episode_max_tokens=r.episode_max_tokens,
                                            temperature=g.temperature, max_steps=r.max_steps,
                                            rollout_timeout_s=r.rollout_timeout_s,
                                            min_scored=1))):

@@ -21,14 +21,15 @@ An attempt: reset to the episode's initial state, run the calls of its earlier t
 executed as the model makes them and their results sent back as `tool` messages; a reply
 without calls is the answer, after which the scripted user's next request is sent (the state
 is read there when the episode checks each turn), or the episode is over. A reply cut by
-`max_tokens` without a call ends it unanswered; at most `rollout.max_steps` replies per user
-turn, as the rollouts count. A destructive tool (`destructiveHint`, or an MCP tool that says
-nothing of its side effects) is never run: the call is refused, the attempt ends, and it is an
-unsafe action, as a stack's toolset sessions treat it. Scored by the episode verifier
-(`flywheel.environments.episode.verify_episode`) from what the agent saw: its calls and their
-results, the server's end state (`flywheel_state`) against the state the episode's
-reference path reaches from the same initial state on a fresh session of the same server,
-its answers. Success is the gate's rule: no failure mode and reward 1.
+`max_tokens` (by default the rollouts' limit for a turn of an episode,
+`rollout.episode_max_tokens`) without a call ends it unanswered; at most `rollout.max_steps`
+replies per user turn, as the rollouts count. A destructive tool (`destructiveHint`, or an
+MCP tool that says nothing of its side effects) is never run: the call is refused, the
+attempt ends, and it is an unsafe action, as a stack's toolset sessions treat it. Scored by
+the episode verifier (`flywheel.environments.episode.verify_episode`) from what the agent
+saw: its calls and their results, the server's end state (`flywheel_state`) against the
+state the episode's reference path reaches from the same initial state on a fresh session of
+the same server, its answers. Success is the gate's rule: no failure mode and reward 1.
 
 Both models get the same attempts with the same seeds (per episode, sample and reply), so the
 attempts pair: `bench.learning.paired_gain` gives the difference with a bootstrap interval
@@ -435,6 +436,6 @@ def run_outside(*, api_url: str, api_key: str, before: str = "base",
         mcp=mcp or f"{shlex.quote(sys.executable)} {EXAMPLE_SERVER.split(' ', 1)[1]}",
         records=records, seed=seed, episodes=episodes, samples=samples,
         temperature=s.gate.temperature if temperature is None else temperature,
-        max_tokens=max_tokens or s.rollout.max_tokens,
+        max_tokens=max_tokens or max(s.rollout.max_tokens, s.rollout.episode_max_tokens or 0),
         max_steps=max_steps or s.rollout.max_steps, in_flight=in_flight,
         request_timeout_s=request_timeout_s))

@@ -259,6 +259,9 @@ def bench_outside(
     samples: Annotated[int, typer.Option(help="Attempts per episode and model.")] = 2,
     temperature: Annotated[float | None, typer.Option(
         help="Sampling temperature (default: the gate's).")] = None,
+    max_tokens: Annotated[int | None, typer.Option(
+        help="Token limit of a reply (default: the rollouts' for a turn of an episode).")
+    ] = None,
     in_flight: Annotated[int, typer.Option(help="Attempts run at once.")] = 8,
     as_json: JsonOpt = False,
 ) -> None:
@@ -279,7 +282,8 @@ def bench_outside(
         fail("no token: pass --api-key (a token with the publish scope)")
     print_result(run_outside(api_url=url, api_key=key, before=before, after=after, mcp=mcp,
                              seed=seed, episodes=episodes, samples=samples,
-                             temperature=temperature, in_flight=in_flight), as_json)
+                             temperature=temperature, max_tokens=max_tokens,
+                             in_flight=in_flight), as_json)
 
 
 def _publish_token(settings: Any) -> str | None:

@@ -163,6 +163,7 @@ def run_key(settings: Settings, version: int | None, holdout: Holdout, chat_form
              "envs": sorted(r.envs),
              "tasks": [str(t.task_id) for t in holdout.tasks], "round_samples": g.round_samples,
              "temperature": g.temperature, "seed": g.seed, "max_tokens": r.max_tokens,
+             "episode_max_tokens": r.episode_max_tokens,
              "max_steps": r.max_steps, "engine": r.engine, "model": str(r.model_dir)}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -180,6 +181,7 @@ def round_seed(settings: Settings, task: TaskSpec, round_: int) -> int:
 def _config(settings: Settings) -> GroupConfig:
     g, r = settings.gate, settings.rollout
     return GroupConfig(group_size=g.round_samples, max_tokens=r.max_tokens,
+                       episode_max_tokens=r.episode_max_tokens,
                        temperature=g.temperature, max_steps=r.max_steps,
                        rollout_timeout_s=r.rollout_timeout_s, min_scored=1)
 

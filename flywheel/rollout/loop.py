@@ -50,13 +50,22 @@ from flywheel.environments.prompt import task_messages, task_tools
 from flywheel.events import TOOL_OUTPUT_CHARS, ScoredRollout, ToolStep, Turn
 from flywheel.policy.base import AdapterRef, Completion, Policy, PolicyError, SamplingParams
 from flywheel.policy.chat_format import ChatFormat
-from flywheel.tasks import AttemptFailure, EpisodeSpec, RolloutNotRun, TaskSpec, VerifierResult
+from flywheel.tasks import (
+    AttemptFailure,
+    EpisodeSpec,
+    RolloutNotRun,
+    TaskSpec,
+    ToolsetSpec,
+    VerifierResult,
+)
 
 
 @dataclass(frozen=True)
 class GroupConfig:
     group_size: int = 8
     max_tokens: int = 64
+    episode_max_tokens: int | None = None
+    """At least this many tokens per turn for a task on a toolset (`RolloutSettings`)."""
     temperature: float = 1.0
     max_steps: int = 8
     rollout_timeout_s: float = 120.0
@@ -408,10 +417,19 @@ async def _multi_step(policy: Policy, task: TaskSpec, env: Environment, prompt: 
     return list(await asyncio.gather(*(guarded(i) for i in range(cfg.group_size))))
 
 
+def turn_tokens(task: TaskSpec, cfg: GroupConfig) -> int:
+    """The token limit of a turn of `task`: `episode_max_tokens` on a registered toolset
+    when it is more than `max_tokens`."""
+    if isinstance(task.verifier, EpisodeSpec | ToolsetSpec) and cfg.episode_max_tokens:
+        return max(cfg.max_tokens, cfg.episode_max_tokens)
+    return cfg.max_tokens
+
+
 async def run_group(policy: Policy, task: TaskSpec, env: Environment, cfg: GroupConfig, *,
                     adapter: AdapterRef | None, seed: int, group_key: str) -> GroupOutcome:
     started = time.perf_counter()
     prompt = _Prompt(task_messages(task), task_tools(task))
+    cfg = replace(cfg, max_tokens=turn_tokens(task, cfg))
     if isinstance(task.verifier, EpisodeSpec) and task.verifier.user_turns:
         # `max_steps` model turns for each user turn: the scripted user's included.
         cfg = replace(cfg, max_steps=cfg.max_steps * (1 + len(task.verifier.user_turns)))

@@ -29,7 +29,8 @@ log = logging.getLogger("flywheel.rollout")
 def group_config(settings: Settings) -> GroupConfig:
     r = settings.rollout
     return GroupConfig(group_size=r.group_size, max_tokens=r.max_tokens,
-                       temperature=r.temperature, max_steps=r.max_steps,
+                       episode_max_tokens=r.episode_max_tokens, temperature=r.temperature,
+                       max_steps=r.max_steps,
                        rollout_timeout_s=r.rollout_timeout_s, min_scored=r.min_scored)
 
 
