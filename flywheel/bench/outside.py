@@ -44,6 +44,7 @@ import asyncio
 import json
 import shlex
 import statistics
+import sys
 import time
 import uuid
 import zlib
@@ -397,6 +398,10 @@ async def _run(*, api_url: str, api_key: str, before: str, after: str, mcp: str,
             outcomes[label], sides[label] = await _side(
                 chat, model, tools, tasks, refs, samples, seed=seed, temperature=temperature,
                 max_tokens=max_tokens, max_steps=max_steps, in_flight=in_flight)
+            side = sides[label]
+            print(f"{label} ({model}): {side['wins']}/{side['attempts']} episodes won, "
+                  f"{sum(side['not_run'].values())} not run, {side['seconds']:.0f}s",
+                  file=sys.stderr, flush=True)
     out.update(sides)
     out["gain"] = paired_gain(outcomes["before"], outcomes["after"])
     out["seconds"] = round(time.perf_counter() - started, 1)
@@ -428,8 +433,6 @@ def run_outside(*, api_url: str, api_key: str, before: str = "base",
                 temperature: float | None = None, max_tokens: int | None = None,
                 max_steps: int | None = None, in_flight: int = 8,
                 request_timeout_s: float = 900.0) -> dict[str, Any]:
-    import sys
-
     s = Settings()
     return asyncio.run(_run(
         api_url=api_url, api_key=api_key, before=before, after=after,
