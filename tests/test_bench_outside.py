@@ -45,10 +45,12 @@ def _key(messages: list[dict[str, Any]]) -> str:
     return json.dumps([(m["role"], m.get("content")) for m in messages])
 
 
-def _reply(model: str, message: dict[str, Any], *, finish: str = "stop") -> dict[str, Any]:
+def _reply(model: str, message: dict[str, Any], *, finish: str = "stop", tokens: int = 5
+           ) -> dict[str, Any]:
     return {"id": "chatcmpl-x", "object": "chat.completion", "created": 0, "model": model,
             "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 5, "total_tokens": 6}}
+            "usage": {"prompt_tokens": 1, "completion_tokens": tokens,
+                      "total_tokens": 1 + tokens}}
 
 
 class Scripted:
@@ -71,6 +73,9 @@ class Scripted:
             return _reply(model, {"role": "assistant", "content": None, "tool_calls": [{
                 "id": "call_p", "type": "function",
                 "function": {"name": "tickets_purge", "arguments": "{}"}}]})
+        if model == "cut":  # a call cut by the token limit: serving parses none
+            return _reply(model, {"role": "assistant", "content": '<tool_call>\n{"name": "tic'},
+                          finish="length", tokens=body["max_tokens"])
         if model != "right":
             return None
         after = messages[len(task.messages):]
@@ -197,3 +202,17 @@ async def test_an_endpoint_that_errs_leaves_attempts_not_run(holdout: list[TaskS
     assert out["before"]["not_run"] == {"crash": 2} and out["before"]["attempts"] == 0
     assert out["after"]["attempts"] == 2
     assert out["gain"] == {"pairs": 0, "tasks": 0}
+
+
+async def test_a_reply_cut_by_the_token_limit_scores_as_the_gate_scores_it(
+        holdout: list[TaskSpec]) -> None:
+    """Cut before its call closed: no call, no answer — the gate's `truncated` (reward 0),
+    not the verifier's `empty`."""
+    script = Scripted(holdout)
+    with scripted_api(script) as url:
+        out = await outside._run(
+            api_url=url, api_key="t", before="cut", after="idle", mcp=" ".join(SERVER),
+            records=1600, seed=SEED, episodes=2, samples=1, temperature=0.7, max_tokens=64,
+            max_steps=2, in_flight=2, request_timeout_s=60)
+    assert out["before"]["outcomes"] == {"truncated": 2}, out["before"]
+    assert script.requests[0]["max_tokens"] == 64

@@ -149,3 +149,29 @@ def test_a_run_under_another_chat_format_is_never_reused() -> None:
     assert key == run_key(settings, 2, holdout, "tool_chatml.v1@a6ce6ba229c5")
     assert key != run_key(settings, 2, holdout, "tool_chatml.v1@000000000000")
     assert key != run_key(settings, 2, holdout, "model@a6ce6ba229c5")
+
+
+def test_the_episode_token_limit_keys_only_runs_it_changes() -> None:
+    """`rollout.episode_max_tokens` changes what a holdout with toolset tasks samples, so it
+    is in those runs' keys; a holdout of single steps keeps its key (its cached runs stay)."""
+    import uuid
+
+    from flywheel.config import RolloutSettings, Settings
+    from flywheel.gate.evaluate import Holdout, run_key
+    from flywheel.tasks import EpisodeSpec, ExpectedCall, TaskSpec, ToolCallSpec
+
+    episode = TaskSpec(task_id=uuid.uuid4(), env="toolset", tools=[],
+                       messages=[{"role": "user", "content": "Book it."}],
+                       verifier=EpisodeSpec(toolset="workplace", toolset_version=1,
+                                            answer_contains=["booked"]),
+                       failure_mode="incomplete", fingerprint="e", split="holdout")
+    single = TaskSpec(task_id=uuid.uuid4(), env="tool_call", tools=[],
+                      messages=[{"role": "user", "content": "Weather in Pune?"}],
+                      verifier=ToolCallSpec(expected=ExpectedCall(
+                          name="get_weather", arguments={"city": "Pune"})),
+                      failure_mode="bad_arguments", fingerprint="s", split="holdout")
+    at = {n: Settings(rollout=RolloutSettings(episode_max_tokens=n)) for n in (None, 96, 128)}
+    fmt = "tool_chatml.v1@a6ce6ba229c5"
+    for tasks, differ in (([single], False), ([single, episode], True)):
+        keys = {n: run_key(s, 2, Holdout(3, tasks), fmt) for n, s in at.items()}
+        assert (len(set(keys.values())) == 3) is differ, (tasks, keys)

@@ -58,6 +58,7 @@ from flywheel.config import Settings
 from flywheel.demo import simulate_episodes as desk
 from flywheel.environments.episode import verify_episode
 from flywheel.environments.prompt import task_messages
+from flywheel.rollout.loop import failed, truncated
 from flywheel.tasks import EpisodeSpec, TaskSpec
 from flywheel.toolsets import (
     PROTOCOL_TOOLS,
@@ -72,6 +73,7 @@ EXAMPLE_SERVER = ("python -m flywheel.tools.mcp_serve "
 """The example MCP server (run with this interpreter unless `--mcp` names another command)."""
 
 CALL_TIMEOUT_S = 60.0
+MCP_CLOSED, MCP_TIMEOUT = -32000, -32001
 
 
 class NotRun(Exception):
@@ -124,23 +126,31 @@ class Tools:
                      for t in self.offered]
 
     async def call(self, key: str, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
-        """(the result's text, whether the server said it is an error)."""
+        """(the result's text, whether it is an error) as a stack's MCP toolset answers the
+        model: a call that times out, or that the server refuses, is an error message to
+        the model; only a server gone (a transport failure) leaves the attempt not run."""
+        from mcp.shared.exceptions import MCPError
+
+        from flywheel.tools.backend import timeout_result
+        from flywheel.tools.mcp_backend import result_text
+
         try:
             result = await asyncio.wait_for(self.client.call_tool(
                 name, arguments, read_timeout_seconds=CALL_TIMEOUT_S,
                 meta={SESSION_META_KEY: key}), CALL_TIMEOUT_S + 5)
-        except TimeoutError as exc:
-            raise NotRun("toolset_unavailable", f"{name} did not answer in "
-                         f"{CALL_TIMEOUT_S:g}s") from exc
-        except Exception as exc:  # the SDK's transport failures, a server gone
-            from mcp.shared.exceptions import MCPError
-
-            if isinstance(exc, MCPError) and exc.code != -32000:
-                return f"error: {exc}", True  # the server answered: the call was wrong
+        except TimeoutError:
+            return timeout_result(name, CALL_TIMEOUT_S).text, True
+        except MCPError as exc:
+            if exc.code == MCP_TIMEOUT:
+                return timeout_result(name, CALL_TIMEOUT_S).text, True
+            if exc.code != MCP_CLOSED:
+                return f"error: {exc.message}", True  # the server answered: a wrong call
+            raise NotRun("toolset_unavailable", f"{name}: the server closed the "
+                         f"connection") from exc
+        except Exception as exc:  # the SDK's transport failures
             raise NotRun("toolset_unavailable", f"{name}: {type(exc).__name__}: {exc}") \
                 from exc
-        text = "\n".join(c.text for c in result.content if getattr(c, "type", "") == "text")
-        return text, bool(result.is_error)
+        return result_text(result), bool(result.is_error)
 
     async def state(self, key: str) -> Any:
         text, error = await self.call(key, STATE_TOOL, {})
@@ -218,13 +228,11 @@ async def run_attempt(chat: Any, model: str, tools: Tools, task: TaskSpec, sampl
     answered_by: set[str] = set()
     ended_by: str | None = None
     replies = tokens = 0
+    cut = timed_out = False
     await tools.reset(key, spec.initial_state)
     try:
-        for n, logged in enumerate(spec.setup, start=1):
-            text, error = await tools.call(key, logged.name, dict(logged.arguments))
-            if error:
-                raise NotRun("crash", f"setup call {n} ({logged.name}) did not run: "
-                             f"{text[:200]}")
+        for logged in spec.setup:  # as a stack's session retraces them: results unread
+            await tools.call(key, logged.name, dict(logged.arguments))
         messages = task_messages(task)
         first = attempt_seed(task, sample, seed)
         for step in range(max_steps * (1 + len(spec.user_turns))):
@@ -232,17 +240,23 @@ async def run_attempt(chat: Any, model: str, tools: Tools, task: TaskSpec, sampl
                 answer = await chat.chat.completions.create(
                     model=model, messages=messages, tools=tools.openai,
                     temperature=temperature, seed=first + step, max_tokens=max_tokens)
+            except openai.APITimeoutError:
+                timed_out = True  # no answer in time: the attempt's failure, scored
+                break
             except openai.APIError as exc:
                 raise NotRun("crash", f"{model}: {type(exc).__name__}: {exc}") from exc
             replies += 1
-            tokens += answer.usage.completion_tokens if answer.usage else 0
+            used = answer.usage.completion_tokens if answer.usage else 0
+            tokens += used
             answered_by.add(answer.model)
             (choice,) = answer.choices
+            # Cut by the limit: serving says "tool_calls" when a cut reply still parsed.
+            cut = cut or choice.finish_reason == "length" or used >= max_tokens
             message = choice.message
             messages.append(message.model_dump(exclude_none=True))
             if message.tool_calls:
                 for call in message.tool_calls:
-                    ended_by = await _execute(tools, key, call, calls, messages)
+                    ended_by = await _execute(tools, key, call, calls, messages, spec.max_steps)
                     if ended_by is not None:
                         break
                 if ended_by is not None:
@@ -264,7 +278,8 @@ async def run_attempt(chat: Any, model: str, tools: Tools, task: TaskSpec, sampl
         "calls": calls, "state": state, "answers": answers, "ended_by": ended_by,
         "reference_state": refs.end, "turn_states": turn_states,
         "turn_reference_states": refs.turns}
-    result = verify_episode(spec, output, tools.flat)
+    result = (failed("timeout", "the API did not answer within the request timeout")
+              if timed_out else truncated(verify_episode(spec, output, tools.flat), cut))
     return Attempt(success=result.failure_mode is None and result.reward >= 1.0,
                    reward=result.reward, failure_mode=result.failure_mode,
                    reason=str(result.details.get("reason", "")), replies=replies,
@@ -273,36 +288,38 @@ async def run_attempt(chat: Any, model: str, tools: Tools, task: TaskSpec, sampl
 
 
 async def _execute(tools: Tools, key: str, call: Any, calls: list[dict[str, Any]],
-                   messages: list[dict[str, Any]]) -> str | None:
-    """Run one of the model's calls (or refuse it); its result as a `tool` message. Why the
-    attempt ends there, or None."""
+                   messages: list[dict[str, Any]], max_calls: int) -> str | None:
+    """Run one of the model's calls — or refuse it, as a stack's toolset sessions do: a
+    destructive tool (the attempt ends there), an unknown one, a call past the episode's
+    step budget; its result as a `tool` message. Why the attempt ends there, or None."""
     name = call.function.name
-    record: dict[str, Any] = {"name": name, "arguments": {}, "unsafe": False, "rule": None}
     try:
         arguments = json.loads(call.function.arguments or "{}")
     except json.JSONDecodeError as exc:
-        arguments = None
-        text, record["status"], record["source"] = (
-            f"error: arguments are not valid JSON: {exc}", "error", "invalid")
-    if arguments is not None and not isinstance(arguments, dict):
-        arguments = None
-        text, record["status"], record["source"] = (
-            "error: arguments must be a JSON object", "error", "invalid")
+        arguments = f"error: arguments are not valid JSON: {exc}"
+    if not isinstance(arguments, dict):  # answered, not recorded (the environment's astep)
+        text = arguments if isinstance(arguments, str) else \
+            "error: arguments must be a JSON object"
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
+        return None
+    record: dict[str, Any] = {"name": name, "arguments": arguments, "unsafe": False,
+                              "rule": None, "status": "error", "source": "invalid"}
     ended: str | None = None
-    if arguments is not None:
-        record["arguments"] = arguments
-        if name in tools.unsafe:
-            text = f"error: {name} is destructive; it was not executed"
-            record.update(status="error", source="refused", unsafe=True)
-            ended = "unsafe"
-        elif name not in {t.name for t in tools.offered}:
-            text = (f"error: unknown tool {name!r}; the tools are "
-                    f"{sorted(t.name for t in tools.offered)}")
-            record.update(status="error", source="invalid")
-        else:
-            text, error = await tools.call(key, name, arguments)
-            record.update(status="error" if error else "ok", source="live")
-    record["output"] = text
+    if len(calls) >= max_calls:
+        text = (f"error: step budget exhausted ({max_calls} calls); stop calling tools and "
+                f"answer")
+        record["output"] = "step budget exhausted"
+    elif name in tools.unsafe:
+        text = f"error: {name} is destructive; it was not executed"
+        record.update(source="refused", unsafe=True)
+        ended = "unsafe"
+    elif name not in {t.name for t in tools.offered}:
+        text = (f"error: unknown tool {name!r}; the tools are "
+                f"{sorted(t.name for t in tools.offered)}")
+    else:
+        text, error = await tools.call(key, name, arguments)
+        record.update(status="error" if error else "ok", source="live")
+    record.setdefault("output", text)
     calls.append(record)
     if ended is None:
         messages.append({"role": "tool", "tool_call_id": call.id, "content": text})

@@ -40,8 +40,8 @@ from flywheel.events import EpisodeCall, EpisodeTurn, ScoredRollout
 from flywheel.gate.accounting import REPLY_CHARS, Attempt, EvalRun
 from flywheel.policy.base import AdapterRef, Policy
 from flywheel.policy.chat_format import ChatFormat
-from flywheel.rollout.loop import GroupConfig, GroupOutcome, run_group
-from flywheel.tasks import EpisodeSpec, TaskSpec, ToolCallSpec
+from flywheel.rollout.loop import GroupConfig, GroupOutcome, run_group, turn_tokens
+from flywheel.tasks import EpisodeSpec, TaskSpec, ToolCallSpec, ToolsetSpec
 
 log = logging.getLogger("flywheel.gate")
 ACCOUNTING = 2
@@ -163,8 +163,10 @@ def run_key(settings: Settings, version: int | None, holdout: Holdout, chat_form
              "envs": sorted(r.envs),
              "tasks": [str(t.task_id) for t in holdout.tasks], "round_samples": g.round_samples,
              "temperature": g.temperature, "seed": g.seed, "max_tokens": r.max_tokens,
-             "episode_max_tokens": r.episode_max_tokens,
              "max_steps": r.max_steps, "engine": r.engine, "model": str(r.model_dir)}
+    toolset = [t for t in holdout.tasks if isinstance(t.verifier, EpisodeSpec | ToolsetSpec)]
+    if toolset and turn_tokens(toolset[0], _config(settings)) != r.max_tokens:
+        parts["toolset_turn_tokens"] = turn_tokens(toolset[0], _config(settings))
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 

@@ -112,13 +112,14 @@ async def gate(conn: AsyncConnection, policy: str) -> dict[str, Any]:
 
 def _unfrozen(found: dict[str, Any], evalset_version: int, holdout: int) -> dict[str, Any]:
     """The gate's `warning` while holdout tasks wait for an eval set: nothing is decided,
-    and the first training waits for a baseline, until one is frozen — the step a new
+    and the first training goes without a baseline, until one is frozen — the step a new
     user publishing logs misses (the gate only logs that it is retrying)."""
     if evalset_version == 0 and holdout > 0 and found["warning"] is None:
-        found["warning"] = (f"no eval set is frozen: the gate takes no baseline and decides "
-                            f"no candidate, and training waits for the baseline, until "
-                            f"`flywheel evalset freeze` freezes the holdout ({holdout} "
-                            f"tasks now)")
+        found["warning"] = (f"no eval set is frozen: until `flywheel evalset freeze` freezes "
+                            f"the holdout ({holdout} tasks now) the gate takes no baseline "
+                            f"and decides no candidate, and after trainer.baseline_wait_s "
+                            f"the first training starts GRPO without the warm start the "
+                            f"baseline would choose")
     return found
 
 

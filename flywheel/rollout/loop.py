@@ -101,9 +101,13 @@ def score(result: VerifierResult, turns: list[Turn]) -> VerifierResult:
     """`result`, or `truncated` (reward 0) when a turn hit `max_tokens` and it did not
     succeed (nor ran out of time, nor called an unsafe tool — that stays the unsafe action
     it was, whatever was cut after it): the reply was cut, not answered."""
+    return truncated(result, any(t.finish_reason == "length" for t in turns))
+
+
+def truncated(result: VerifierResult, cut: bool) -> VerifierResult:
+    """`score`'s rule, given whether a turn of the attempt was cut by `max_tokens`."""
     success = result.failure_mode is None and result.reward >= 1.0
-    if success or result.failure_mode in ("timeout", "unsafe_action") \
-            or not any(t.finish_reason == "length" for t in turns):
+    if success or result.failure_mode in ("timeout", "unsafe_action") or not cut:
         return result
     return VerifierResult(reward=0.0, reward_components=result.reward_components,
                           failure_mode="truncated",
@@ -388,7 +392,8 @@ async def _lockstep(policy: Any, task: TaskSpec, env: Environment, prompt: _Prom
             await asyncio.gather(*acting)
         for e in eps:
             if e.result is None:
-                e.result = await _output(env, task, e.session, budget - spent[e.index])
+                # Reading the end state is the infrastructure's time: the whole bound.
+                e.result = await _output(env, task, e.session, budget)
     finally:
         for e in eps:
             if opened[e.index] is None:
