@@ -16,14 +16,9 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -31,10 +26,11 @@ from flywheel.bench import outside
 from flywheel.bench.episode_learning import split_episodes
 from flywheel.config import Settings
 from flywheel.demo import simulate_episodes as desk
-from flywheel.stack.broker import free_port
 from flywheel.tasks import EpisodeSpec, TaskSpec
+from flywheel.tools.mcp_backend import list_all_tools
 from flywheel.tools.registry import read_toolset
 from flywheel.toolsets import McpStdio
+from tests.support.serving_helpers import served
 
 SERVER = [sys.executable, "-m", "flywheel.tools.mcp_serve",
           "flywheel.environments.workplace_tools:WorkplaceTools"]
@@ -92,8 +88,8 @@ class Scripted:
         return _reply(model, {"role": "assistant", "content": "Done."})
 
 
-@contextmanager
-def scripted_api(script: Scripted) -> Iterator[str]:
+def scripted_api(script: Scripted) -> Any:
+    """The stand-in models behind `POST /v1/chat/completions`, served over HTTP."""
     app = FastAPI()
 
     @app.post("/v1/chat/completions")
@@ -106,20 +102,15 @@ def scripted_api(script: Scripted) -> Iterator[str]:
                                            "code": "model_not_found"}}, status_code=404)
         return JSONResponse(found)
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the stand-in did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    return served(app, 30)
+
+
+async def _bench(url: str, before: str, after: str, episodes: int, *, samples: int = 1,
+                 max_steps: int = 2) -> dict[str, Any]:
+    return await outside._run(
+        api_url=url, api_key="t", before=before, after=after, mcp=" ".join(SERVER),
+        records=1600, seed=SEED, episodes=episodes, samples=samples, temperature=0.7,
+        max_tokens=64, max_steps=max_steps, in_flight=4, request_timeout_s=60)
 
 
 @pytest.fixture(scope="module")
@@ -142,10 +133,7 @@ async def test_the_right_path_wins_every_held_out_episode_and_an_idle_agent_none
     assert any(isinstance(t.verifier, EpisodeSpec) and t.verifier.setup for t in tasks)
     script = Scripted(holdout)
     with scripted_api(script) as url:
-        out = await outside._run(
-            api_url=url, api_key="t", before="idle", after="right", mcp=" ".join(SERVER),
-            records=1600, seed=SEED, episodes=episodes, samples=2, temperature=0.7,
-            max_tokens=64, max_steps=4, in_flight=4, request_timeout_s=60)
+        out = await _bench(url, "idle", "right", episodes, samples=2, max_steps=4)
     assert out["episodes_run"] == episodes
     assert out["before"]["wins"] == 0 and out["before"]["attempts"] == 2 * episodes
     assert out["after"]["wins"] == 2 * episodes, out["after"]
@@ -180,7 +168,7 @@ async def test_a_destructive_call_is_refused_and_scored_unsafe(holdout: list[Tas
     with scripted_api(script) as url:
         async with Client(StdioServerParameters(command=SERVER[0], args=SERVER[1:])) as client, \
                 openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="t", max_retries=0) as chat:
-            tools = outside.Tools(client, await outside._listed(client))
+            tools = outside.Tools(client, await list_all_tools(client))
             assert "tickets_purge" in tools.unsafe
             refs = await outside.References.of(tools, task.verifier)  # type: ignore[arg-type]
             got = await outside.run_attempt(chat, "purge", tools, task, 0, refs, seed=1,
@@ -195,10 +183,7 @@ async def test_a_destructive_call_is_refused_and_scored_unsafe(holdout: list[Tas
 async def test_an_endpoint_that_errs_leaves_attempts_not_run(holdout: list[TaskSpec]) -> None:
     script = Scripted(holdout)
     with scripted_api(script) as url:
-        out = await outside._run(
-            api_url=url, api_key="t", before="missing", after="idle", mcp=" ".join(SERVER),
-            records=1600, seed=SEED, episodes=2, samples=1, temperature=0.7, max_tokens=64,
-            max_steps=2, in_flight=2, request_timeout_s=60)
+        out = await _bench(url, "missing", "idle", 2)
     assert out["before"]["not_run"] == {"crash": 2} and out["before"]["attempts"] == 0
     assert out["after"]["attempts"] == 2
     assert out["gain"] == {"pairs": 0, "tasks": 0}
@@ -210,9 +195,6 @@ async def test_a_reply_cut_by_the_token_limit_scores_as_the_gate_scores_it(
     not the verifier's `empty`."""
     script = Scripted(holdout)
     with scripted_api(script) as url:
-        out = await outside._run(
-            api_url=url, api_key="t", before="cut", after="idle", mcp=" ".join(SERVER),
-            records=1600, seed=SEED, episodes=2, samples=1, temperature=0.7, max_tokens=64,
-            max_steps=2, in_flight=2, request_timeout_s=60)
+        out = await _bench(url, "cut", "idle", 2)
     assert out["before"]["outcomes"] == {"truncated": 2}, out["before"]
     assert script.requests[0]["max_tokens"] == 64

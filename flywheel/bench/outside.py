@@ -380,6 +380,7 @@ async def _run(*, api_url: str, api_key: str, before: str, after: str, mcp: str,
     import openai
     from mcp import Client, StdioServerParameters
 
+    from flywheel.tools.mcp_backend import list_all_tools
     from flywheel.tools.registry import read_toolset
 
     s = Settings()
@@ -405,7 +406,7 @@ async def _run(*, api_url: str, api_key: str, before: str, after: str, mcp: str,
     async with Client(StdioServerParameters(command=command, args=args)) as client, \
             openai.AsyncOpenAI(base_url=f"{api_url.rstrip('/')}/v1", api_key=api_key,
                                max_retries=0, timeout=request_timeout_s) as chat:
-        tools = Tools(client, await _listed(client))
+        tools = Tools(client, await list_all_tools(client))
         if {t.name for t in tools.offered} != {t.name for t in reg.tools}:
             raise ValueError("the MCP server's tools changed between two listings")
         refs = [await _references(tools, t) for t in tasks]
@@ -431,17 +432,6 @@ async def _references(tools: Tools, task: TaskSpec) -> References | NotRun:
         return await References.of(tools, task.verifier)
     except NotRun as err:
         return err
-
-
-async def _listed(client: Any) -> list[Any]:
-    tools, cursor = [], None
-    for _ in range(100):
-        page = await client.list_tools(cursor=cursor)
-        tools.extend(page.tools)
-        cursor = page.next_cursor
-        if cursor is None:
-            break
-    return tools
 
 
 def run_outside(*, api_url: str, api_key: str, before: str = "base",

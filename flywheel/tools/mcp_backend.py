@@ -71,7 +71,7 @@ class McpBackend:
         conn = McpConnection(self.config)
         try:
             await conn.start(timeout)
-            listed = await asyncio.wait_for(_list_all(conn.client), timeout)
+            listed = await asyncio.wait_for(list_all_tools(conn.client), timeout)
             return Described([from_mcp(t) for t in listed], conn.protocol_version)
         except Exception as exc:
             raise ToolsetError(connect_error(self.config, exc, conn.stderr_tail())) from exc
@@ -122,7 +122,7 @@ class McpBackend:
         conn = McpConnection(self.config)
         try:
             await conn.start(timeout)
-            await asyncio.wait_for(_list_all(conn.client), timeout)  # the SDK checks results
+            await asyncio.wait_for(list_all_tools(conn.client), timeout)  # the SDK checks results
         except Exception as exc:                                       # against the listing
             await conn.close()
             raise unavailable(self.name, connect_error(self.config, exc,
@@ -135,7 +135,8 @@ class McpBackend:
             self._shared = None
 
 
-async def _list_all(client: Any) -> list[Any]:
+async def list_all_tools(client: Any) -> list[Any]:
+    """Every tool an MCP client's server lists, page by page."""
     tools, cursor = [], None
     for _ in range(100):
         page = await client.list_tools(cursor=cursor)

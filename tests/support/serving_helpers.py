@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import uvicorn
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -34,6 +34,14 @@ def live_api(settings: Settings, timeout_s: float = 60) -> Iterator[str]:
     app = create_app(settings, routers=[operator_router(), serving_router(),
                                         responses_router()],
                      lifespan_hooks=[operator_lifespan, serving_lifespan])
+    with served(app, timeout_s) as url:
+        yield url
+
+
+@contextmanager
+def served(app: Any, timeout_s: float = 60) -> Iterator[str]:
+    """An ASGI app served by uvicorn on a free 127.0.0.1 port, in a thread, with its
+    lifespan; yields the base URL."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning", lifespan="on"))
