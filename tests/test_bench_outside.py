@@ -198,3 +198,16 @@ async def test_a_reply_cut_by_the_token_limit_scores_as_the_gate_scores_it(
         out = await _bench(url, "cut", "idle", 2)
     assert out["before"]["outcomes"] == {"truncated": 2}, out["before"]
     assert script.requests[0]["max_tokens"] == 64
+
+
+def test_the_cli_finds_the_local_stacks_publish_token(tmp_path: Any) -> None:
+    """`bench outside` without --api-key takes a publish token from the stack's tokens.json
+    (either grant shape), never one that only operates."""
+    from flywheel.cli.bench import _publish_token
+
+    path = tmp_path / "tokens.json"
+    path.write_text(json.dumps({"op": {"scopes": ["operate"]},
+                                "pub": {"scopes": ["publish"], "agent": "bot"}}))
+    assert _publish_token(Settings(home=tmp_path)) == "pub"
+    path.write_text(json.dumps({"op": ["operate"]}))
+    assert _publish_token(Settings(home=tmp_path)) is None

@@ -68,9 +68,8 @@ from flywheel.toolsets import (
     McpStdio,
 )
 
-EXAMPLE_SERVER = ("python -m flywheel.tools.mcp_serve "
-                  "flywheel.environments.workplace_tools:WorkplaceTools")
-"""The example MCP server (run with this interpreter unless `--mcp` names another command)."""
+EXAMPLE_SERVER = "-m flywheel.tools.mcp_serve flywheel.environments.workplace_tools:WorkplaceTools"
+"""The example MCP server's arguments to this interpreter (unless `--mcp` names a command)."""
 
 CALL_TIMEOUT_S = 60.0
 MCP_CLOSED, MCP_TIMEOUT = -32000, -32001
@@ -443,7 +442,7 @@ def run_outside(*, api_url: str, api_key: str, before: str = "base",
     s = Settings()
     return asyncio.run(_run(
         api_url=api_url, api_key=api_key, before=before, after=after,
-        mcp=mcp or f"{shlex.quote(sys.executable)} {EXAMPLE_SERVER.split(' ', 1)[1]}",
+        mcp=mcp or f"{shlex.quote(sys.executable)} {EXAMPLE_SERVER}",
         records=records, seed=seed, episodes=episodes, samples=samples,
         temperature=s.gate.temperature if temperature is None else temperature,
         max_tokens=max_tokens or max(s.rollout.max_tokens, s.rollout.episode_max_tokens or 0),

@@ -290,16 +290,14 @@ def _publish_token(settings: Any) -> str | None:
     """A configured token with the publish scope, else the local stack's (tokens.json)."""
     import json
 
-    tokens = dict(settings.api.tokens)
+    from flywheel.config import ApiSettings
+
+    tokens = settings.api.tokens
     path = settings.home / "tokens.json"
-    if not tokens and path.exists():
-        tokens = json.loads(path.read_text())
-    for token, grant in tokens.items():
-        scopes = grant if isinstance(grant, list) else (grant.get("scopes") or []) \
-            if isinstance(grant, dict) else grant.scopes
-        if "publish" in scopes:
-            return str(token)
-    return None
+    if not tokens and path.exists():  # read through the settings model: grants one shape
+        tokens = ApiSettings(tokens=json.loads(path.read_text())).tokens
+    return next((token for token, grant in tokens.items()
+                 if "publish" in (grant if isinstance(grant, list) else grant.scopes)), None)
 
 
 @bench_app.command("gpu", context_settings={"allow_extra_args": True,

@@ -164,9 +164,11 @@ def run_key(settings: Settings, version: int | None, holdout: Holdout, chat_form
              "tasks": [str(t.task_id) for t in holdout.tasks], "round_samples": g.round_samples,
              "temperature": g.temperature, "seed": g.seed, "max_tokens": r.max_tokens,
              "max_steps": r.max_steps, "engine": r.engine, "model": str(r.model_dir)}
-    toolset = [t for t in holdout.tasks if isinstance(t.verifier, EpisodeSpec | ToolsetSpec)]
-    if toolset and turn_tokens(toolset[0], _config(settings)) != r.max_tokens:
-        parts["toolset_turn_tokens"] = turn_tokens(toolset[0], _config(settings))
+    toolset = next((t for t in holdout.tasks
+                    if isinstance(t.verifier, EpisodeSpec | ToolsetSpec)), None)
+    limit = turn_tokens(toolset, _config(settings)) if toolset else r.max_tokens
+    if limit != r.max_tokens:  # only a holdout it changes: cached single-step runs stay
+        parts["toolset_turn_tokens"] = limit
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
