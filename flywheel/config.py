@@ -132,7 +132,7 @@ class RolloutSettings(BaseModel):
     """Most new tokens per model turn of a task on a registered toolset (episode and
     toolset tasks), when more than `max_tokens`: their calls are longer than a single
     step's — in the simulated helpdesk's episodes every `calendar_create_event` takes
-    66–77 tokens in the bundled chat format (184 calls of 95 episodes: median 53, 26 past
+    74–77 tokens in the bundled chat format (184 calls of 107 episodes: median 53, 26 past
     64), so at 64 no attempt could make it. Serving answers 256 when a request sets none.
     None = `max_tokens`."""
     temperature: float = Field(default=1.0, gt=0)

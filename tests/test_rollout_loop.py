@@ -296,7 +296,7 @@ def _without_own_time(sample_many: Any) -> Any:
 
 def test_a_turn_on_a_toolset_gets_the_episode_token_limit() -> None:
     """A task on a registered toolset gets `episode_max_tokens` per turn when it is more
-    (the helpdesk's calendar_create_event calls take 66-77 tokens: never made at 64);
+    (the helpdesk's calendar_create_event calls take 74-77 tokens: never made at 64);
     single steps and the bundled world keep `max_tokens`."""
     from flywheel.config import RolloutSettings, Settings
     from flywheel.rollout.loop import turn_tokens

@@ -344,9 +344,9 @@ async def _lockstep(policy: Any, task: TaskSpec, env: Environment, prompt: _Prom
     its own time: the engine's forward passes its rows were in, its tool calls and its
     environment's turns — not the time it waited for the engine behind other requests (a
     gate round puts every task's episodes on one CPU engine, and on 2 cores half of a
-    candidate's episodes ran past a wall-clock deadline only queueing). Any one wait (a
-    batched sample, a step) is still bounded by `rollout_timeout_s`, so a hung engine or
-    toolset ends the attempts."""
+    candidate's episodes ran past a wall-clock deadline that counted that wait; how much of
+    it was waiting was not measured). Any one wait (a batched sample, a step) is still
+    bounded by `rollout_timeout_s`, so a hung engine or toolset ends the attempts."""
     budget = cfg.rollout_timeout_s
     eps = [_Episode(i, f"{group_key}/{i}", list(prompt.messages))
            for i in range(cfg.group_size)]
