@@ -339,3 +339,51 @@ def test_sft_batches_by_stratum_give_every_stratum_its_share() -> None:
     assert list(sft_batches([], steps=2, batch=8, stratum=kind)) == []
     assert [sorted(b) for b in sft_batches(["a-1", "b-1"], steps=1, batch=8,
                                            stratum=kind)] == [["a-1", "b-1"]]
+
+
+def test_sft_batches_keep_the_share_of_what_no_stratum_balances() -> None:
+    """An episode's demonstrations are half answers (its last turn: when to stop), half calls
+    of a few tools, one combination of them rare. Balancing the answers as one more "tool"
+    gave them an eighth of the warm start and the rare combination as much (seed 11 of the
+    helpdesk: 559 of 1,187 answers; 5 demonstrations of one parallel call each seen ~5
+    times in 24 steps), and the checkpoint looped past its step budget."""
+    from flywheel.mining.demos import called_tools
+    from flywheel.trainer.sft import sft_batches, sft_stratum
+
+    demos = [f"answer-{i}" for i in range(47)] + [f"ticket-{i}" for i in range(40)] + \
+        [f"email-{i}" for i in range(10)] + ["list+update-0", "list+update-1", "list+update-2"]
+    kind = lambda d: None if d.startswith("answer") else d.split("-")[0]  # noqa: E731
+    batches = list(sft_batches(demos, steps=25, batch=8, stratum=kind))
+    assert [len(b) for b in batches] == [8] * 25
+    assert all(len(set(b)) == len(b) for b in batches)
+    flat = [d for b in batches for d in b]
+    answers = [d for d in flat if d.startswith("answer")]
+    assert len(answers) == round(0.47 * 8 * 25) == 94  # their share of all demonstrations
+    for step in range(1, 26):  # and never far from it along the way
+        got = sum(d.startswith("answer") for b in batches[:step] for d in b)
+        assert abs(got - 0.47 * 8 * step) <= 0.5
+    assert len(set(answers[:47])) == 47  # no answer twice before all went
+    calls = [kind(d) for d in flat if not d.startswith("answer")]
+    shares = sorted(calls.count(k) for k in ("ticket", "email", "list+update"))
+    assert len(calls) == 106 and shares[-1] - shares[0] <= 1  # the calls, balanced
+    assert batches == list(sft_batches(demos, steps=25, batch=8, stratum=kind))
+    # Only answers; or mostly answers: the one call comes once in 24 (its share, 1 of 21).
+    assert [sorted(b) for b in sft_batches(["answer-0", "answer-1"], steps=2, batch=8,
+                                           stratum=kind)] == [["answer-0", "answer-1"]] * 2
+    small = list(sft_batches([f"answer-{i}" for i in range(20)] + ["email-0"], steps=3,
+                             batch=8, stratum=kind))
+    assert all(len(b) == len(set(b)) == 8 for b in small)
+    assert sum(b.count("email-0") for b in small) == 1
+    # As many demonstrations as a batch: each once.
+    assert sorted(next(sft_batches(["answer-0", "answer-1", "answer-2", "email-0"], steps=1,
+                                   batch=4, stratum=kind))) == [
+        "answer-0", "answer-1", "answer-2", "email-0"]
+    # The trainer's `tool` balance: an answer is not a stratum, a call is its tools.
+    by = sft_stratum(SimpleNamespace(sft_balance="tool"))  # type: ignore[arg-type]
+    assert by is not None
+    answer = Demonstration(messages=[{"role": "user", "content": "x"}], tools=TOOLS,
+                           reply={"role": "assistant", "content": "Done."},
+                           source_trajectory_id=uuid.uuid4(), fingerprint="0a", env="episode")
+    assert called_tools(answer) == "" and by(answer) is None
+    assert by(_demo("0b")) == called_tools(_demo("0b")) == "get_weather"
+    assert sft_stratum(SimpleNamespace(sft_balance="none")) is None  # type: ignore[arg-type]

@@ -20,6 +20,7 @@ across restarts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -81,6 +82,99 @@ async def unstored(bootstrap: str, topic: str, positions: Positions,
     finally:
         await consumer.stop()
     return out
+
+
+class KeyTail:
+    """The keys of one topic's records on one broker instance, read as they come: per
+    partition offset → key, from the offset the storing group had committed when the tail
+    first saw the partition, trimmed below what it has committed since. One consumer for
+    the instance's life, so each lag read reads only the records that arrived since the
+    one before, a fetch or two. (`unstored` reads every uncommitted key afresh at each lag
+    read: a consumer start and a fetch of the whole backlog, seconds on a loaded machine.
+    A broker killed in that window took records whose keys were never read, and those are
+    counted as lost even when their producers send them again.)
+
+    Not thread-safe: one event loop uses it (the supervisor's watch)."""
+
+    def __init__(self, bootstrap: str, topic: str, instance: Any, cap: int = KEY_CAP) -> None:
+        self.bootstrap, self.topic, self.instance, self.cap = bootstrap, topic, instance, cap
+        """`instance`: what names the broker instance (its pid); a new one needs a new tail."""
+        self._keys: dict[int, dict[int, Any]] = {}
+        self._next: dict[int, int] = {}
+        """Per partition, the next offset the tail reads."""
+        self._consumer: AIOKafkaConsumer | None = None
+
+    def held(self) -> int:
+        return sum(len(k) for k in self._keys.values())
+
+    async def read(self, targets: dict[int, int] | None = None, timeout_s: float = 2.0) -> None:
+        """Read what arrived, up to each partition's offset in `targets` (its highwater; None:
+        until a fetch returns nothing), or until `cap` keys are held, or `timeout_s`."""
+        if self._consumer is None or not self._next:
+            return
+        want = {p: t for p, t in (targets or {}).items() if p in self._next}
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self.held() < self.cap:
+                    todo = [TopicPartition(self.topic, p) for p in self._next
+                            if targets is None or self._next[p] < want.get(p, 0)]
+                    if not todo:
+                        return
+                    # Longer than a fetch's wait on the broker: empty means nothing came.
+                    batch = await self._consumer.getmany(*todo, timeout_ms=300,
+                                                         max_records=self.cap - self.held())
+                    if not any(batch.values()) and targets is None:
+                        return
+                    for tp, msgs in batch.items():
+                        keys = self._keys.setdefault(tp.partition, {})
+                        for m in msgs:
+                            keys[m.offset] = m.key.decode("utf-8", "replace") if m.key else None
+                        if msgs:
+                            self._next[tp.partition] = msgs[-1].offset + 1
+        except TimeoutError:
+            pass  # read on at the next lag read; what is unread is counted by offsets
+
+    async def keys(self, positions: Positions, timeout_s: float = 2.0) -> dict[str, list[Any]]:
+        """`[offset, key]` per partition (as a string) in [committed, highwater) of one read of
+        the storing group's `positions`, as far as the tail has read them, after reading on
+        towards each highwater (`unstored`'s shape). Partitions new to the tail are read from
+        their committed offset; keys below it are dropped."""
+        new = {p: c for p, (c, _) in positions.items() if p not in self._next}
+        for p, (committed, _) in positions.items():
+            keys = self._keys.get(p)
+            if keys:
+                for off in [o for o in keys if o < committed]:
+                    del keys[off]
+        if new:
+            await self._assign(new)
+        for p, (committed, _) in positions.items():
+            if self._consumer is not None and self._next.get(p, committed) < committed:
+                self._next[p] = committed  # committed past where it got (paused at the cap)
+                self._consumer.seek(TopicPartition(self.topic, p), committed)
+        await self.read({p: h for p, (_, h) in positions.items()}, timeout_s)
+        return {str(p): [[off, k] for off, k in sorted(self._keys.get(p, {}).items())
+                         if c <= off < h]
+                for p, (c, h) in positions.items() if h > c and self._keys.get(p)}
+
+    async def _assign(self, new: dict[int, int]) -> None:
+        if self._consumer is None:
+            self._consumer = AIOKafkaConsumer(
+                bootstrap_servers=self.bootstrap, group_id=None, enable_auto_commit=False,
+                max_partition_fetch_bytes=1 << 20, fetch_max_wait_ms=100)
+            await self._consumer.start()
+        self._next.update(new)
+        # `assign` resets every partition's position: seek each to where the tail is.
+        self._consumer.assign([TopicPartition(self.topic, p) for p in self._next])
+        for p, off in self._next.items():
+            self._consumer.seek(TopicPartition(self.topic, p), off)
+
+    async def close(self) -> None:
+        consumer, self._consumer = self._consumer, None
+        self._keys, self._next = {}, {}
+        if consumer is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(5):
+                    await consumer.stop()
 
 
 def candidates(positions: dict[str, list[int]], keys: dict[str, list[Any]]
@@ -217,17 +311,20 @@ def storing_groups(settings: Settings) -> dict[str, str]:
 
 
 async def loss_view(bootstrap: str, settings: Settings,
-                    positions: dict[str, Positions]) -> dict[str, Any]:
+                    positions: dict[str, Positions], tail: KeyTail | None = None
+                    ) -> dict[str, Any]:
     """What a lost instance's loss is counted from, out of one read of every group's
     positions: per topic the storing group's [committed, highwater] per partition, and the
-    keys of the trajectories not committed yet (read while the broker lives)."""
+    keys of the trajectories not committed yet (read while the broker lives: by `tail`, the
+    instance's running read of the trajectories' keys, else read afresh)."""
     stored: dict[str, dict[str, list[int]]] = {}
     for topic, group in storing_groups(settings).items():
         stored[topic] = {str(p): [c, h] for p, (c, h) in (positions.get(group) or {}).items()}
     traj = settings.topics.trajectories
     parts = positions.get(settings.ingest.group_id) or {}
     try:
-        keys = {traj: await unstored(bootstrap, traj, parts)}
+        keys = {traj: await (tail.keys(parts) if tail is not None else
+                             unstored(bootstrap, traj, parts))}
     except Exception:  # the broker stopped answering: counted by offsets
         keys = {}
     except asyncio.CancelledError:  # aiokafka's stop leaking its fetcher's cancellation

@@ -42,7 +42,7 @@ from flywheel.config import Settings, settings_env
 from flywheel.runtime.endpoints import read_run, run_file
 from flywheel.runtime.kafka import consumer_groups
 from flywheel.runtime.logs import mask_text, rotate_if_needed
-from flywheel.runtime.losses import arrived, count_loss, loss_view, unstored_total
+from flywheel.runtime.losses import KeyTail, arrived, count_loss, loss_view, unstored_total
 from flywheel.stack.broker import MEMORY_ONLY_NOTE, LocalBroker
 from flywheel.stack.drain import close_intake, drain, read_positions, reopen_intake
 from flywheel.stack.heal import Healer
@@ -254,20 +254,42 @@ class Stack:
     def _watch(self) -> None:
         """Background: every `watch_interval_s` read each group's lag, so that a lost broker's
         content is known (`recovery`) and the status shows it."""
+        asyncio.run(self._watch_rounds())
+
+    async def _watch_rounds(self) -> None:
+        """The watch's rounds, on one event loop: the keys of the trajectories not stored
+        yet are read as they come by one `KeyTail` per broker instance."""
         groups = consumer_groups(self.settings)
-        assert self.settings.kafka.bootstrap
-        while not self._stop.wait(self.settings.stack.watch_interval_s):
-            if self.broker is None:
-                return  # an external Kafka is durable: nothing to track
-            started = time.time()
-            bootstrap = self.settings.kafka.bootstrap
-            try:  # one failed round must never end the watch: later losses go unknown
-                positions = asyncio.run(read_positions(bootstrap, groups))
-                if positions is not None:
-                    view = asyncio.run(loss_view(bootstrap, self.settings, positions))
-                    self.healer.record_positions(positions, started, view)
-            except (Exception, asyncio.CancelledError):
-                log.exception("a read of the broker's positions failed (retried next round)")
+        bootstrap = self.settings.kafka.bootstrap
+        assert bootstrap
+        tail: KeyTail | None = None
+        interval = self.settings.stack.watch_interval_s
+        try:
+            while not await asyncio.to_thread(self._stop.wait, interval):
+                broker = self.broker
+                if broker is None:
+                    return  # an external Kafka is durable: nothing to track
+                try:  # one failed round must never end the watch: later losses go unknown
+                    instance = broker.pid
+                    if tail is None or tail.instance != instance:
+                        if tail is not None:
+                            await tail.close()
+                        tail = KeyTail(bootstrap, self.settings.topics.trajectories, instance)
+                    await tail.read()  # what arrived since the last round, before positions
+                    started = time.time()
+                    positions = await read_positions(bootstrap, groups)
+                    if positions is not None and broker.pid == instance:
+                        view = await loss_view(bootstrap, self.settings, positions, tail)
+                        self.healer.record_positions(positions, started, view)
+                except (Exception, asyncio.CancelledError) as err:
+                    task = asyncio.current_task()
+                    if isinstance(err, asyncio.CancelledError) and task is not None \
+                            and task.cancelling():
+                        raise
+                    log.exception("a read of the broker's positions failed (retried next round)")
+        finally:
+            if tail is not None:
+                await tail.close()
 
     # ---------------------------------------------------------------- stop
 

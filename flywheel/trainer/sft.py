@@ -60,26 +60,40 @@ def encode_demonstration(fmt: ChatFormat, demo: Demonstration) -> SFTExample:
 
 
 def sft_batches(demos: Sequence[T], steps: int, batch: int, *, seed: int = 0,
-                stratum: Callable[[T], str] | None = None) -> Iterator[list[T]]:
+                stratum: Callable[[T], str | None] | None = None) -> Iterator[list[T]]:
     """The warm start's batches; a batch never holds one demonstration twice.
 
     Each stratum's demonstrations are shuffled once (fixed seed), and the batches are filled
     from the strata in turn, each wrapping around its own; so every stratum gets the same
     share of the steps however few demonstrations it has (a stratum with fewer than its
-    turns in a batch gives each of its demonstrations once). Without `stratum` all are one:
-    shuffled once, then taken in order, wrapping around."""
+    turns in a batch gives each of its demonstrations once). Demonstrations whose stratum is
+    None are not balanced: they keep their share of all demonstrations, over the steps
+    (rounded per batch, so that the running count never strays by one from it), and the
+    strata share the rest. Without `stratum` all are one: shuffled once, then taken in
+    order, wrapping around."""
     key = stratum or (lambda _: "")
     rng = random.Random(seed)
+    free: list[T] = []
     groups: dict[str, list[T]] = {}
     for d in demos:
-        groups.setdefault(key(d), []).append(d)
+        k = key(d)
+        if k is None:
+            free.append(d)
+        else:
+            groups.setdefault(k, []).append(d)
     queues = [rng.sample(g, len(g)) for _, g in sorted(groups.items())]
+    free = rng.sample(free, len(free)) if free else free
     taken = [0] * len(queues)
-    size, turn = min(batch, len(demos)), 0
-    for _ in range(steps if demos else 0):
-        out: list[T] = []
+    size, turn, free_taken = min(batch, len(demos)), 0, 0
+    share = len(free) / len(demos) if demos else 0.0
+    for step in range(steps if demos else 0):
+        room = sum(min(len(q), size) for q in queues)  # what the strata can fill
+        due = round(share * size * (step + 1)) - free_taken
+        n_free = min(max(due, size - room, 0), len(free), size)
+        out = [free[(free_taken + i) % len(free)] for i in range(n_free)]
+        free_taken += n_free
         used = [0] * len(queues)
-        while len(out) < size:  # ends: the strata together hold at least `size`
+        while len(out) < size:  # ends: the strata hold at least what is left
             q = turn % len(queues)
             turn += 1
             if used[q] < len(queues[q]):
@@ -89,9 +103,11 @@ def sft_batches(demos: Sequence[T], steps: int, batch: int, *, seed: int = 0,
         yield out
 
 
-def sft_stratum(t: TrainerSettings) -> Callable[[Demonstration], str] | None:
-    """What the warm start's batches balance over, per `trainer.sft_balance`."""
-    return called_tools if t.sft_balance == "tool" else None
+def sft_stratum(t: TrainerSettings) -> Callable[[Demonstration], str | None] | None:
+    """What the warm start's batches balance over, per `trainer.sft_balance`: the tools a
+    reply calls; a reply that calls none (an answer, an episode's last turn: when to stop)
+    is not a tool choice and keeps its share."""
+    return (lambda d: called_tools(d) or None) if t.sft_balance == "tool" else None
 
 
 def collate(examples: Sequence[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
