@@ -54,6 +54,7 @@ from flywheel.mining.episode_demos import (
 )
 from flywheel.mining.mine_batch import MineStats
 from flywheel.policy.base import AdapterRef, Policy
+from flywheel.policy.cores import ComputeThread
 from flywheel.rollout.loop import GroupConfig, run_group
 from flywheel.tasks import EpisodeSpec, TaskSpec
 from flywheel.tools.descriptors import Registration
@@ -140,6 +141,7 @@ async def _run(*, records: int, seed: int, holdout_tasks: int, samples: int,
     env = ToolsetEnvironment(catalog)
     model_dir = resolve_model_dir(None)
     policy = LocalPolicy(model_dir, max_batch=rows)
+    compute = ComputeThread("flywheel-bench-trainer")  # one malloc arena for the steps
     trainer = LoRATrainer(model_dir, lora=LoRASpec(), grpo=GRPOConfig(), lr=s.trainer.lr,
                           micro_batch=micro_batch)
     cfg = GroupConfig(group_size=samples, max_tokens=s.rollout.max_tokens,
@@ -167,12 +169,12 @@ async def _run(*, records: int, seed: int, holdout_tasks: int, samples: int,
                                                  s.trainer.sft_batch,
                                                  stratum=sft_stratum(s.trainer)), start=1):
             t0 = time.perf_counter()
-            metrics = await asyncio.to_thread(trainer.sft_step, chunk, lr=s.trainer.sft_lr)
+            metrics = await compute.run(trainer.sft_step, chunk, lr=s.trainer.sft_lr)
             sft_s += time.perf_counter() - t0
             if step not in sft_steps:
                 continue
             path = work / f"sft{step}"
-            await asyncio.to_thread(trainer.save, path)
+            await compute.run(trainer.save, path)
             new = AdapterRef("policy", step, path)
             await policy.ensure_adapter(new)
             if adapter is not None:
@@ -187,7 +189,7 @@ async def _run(*, records: int, seed: int, holdout_tasks: int, samples: int,
             sft_outcomes = after
         if grpo_steps and adapter is not None:
             trainer.reset_optimizer()  # GRPO starts with fresh moments, as in the trainer
-            out["grpo"] = await _grpo(policy, trainer, env, train, adapter, work, s,
+            out["grpo"] = await _grpo(policy, trainer, compute, env, train, adapter, work, s,
                                       grpo_steps, grpo_batch, in_flight)
             adapter = out["grpo"].pop("adapter")
             after, figures = await _evaluate(policy, held, env, cfg, adapter, in_flight)
@@ -198,15 +200,16 @@ async def _run(*, records: int, seed: int, holdout_tasks: int, samples: int,
     finally:
         await policy.close()
         await catalog.aclose()
+        compute.close()
     out["seconds"] = round(time.perf_counter() - started, 1)
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     out["load_average_after"] = round(os.getloadavg()[0], 2)
     return out
 
 
-async def _grpo(policy: Policy, trainer: Any, env: ToolsetEnvironment, tasks: list[TaskSpec],
-                adapter: AdapterRef, work: Path, s: Settings, steps: int, batch: int,
-                in_flight: int) -> dict[str, Any]:
+async def _grpo(policy: Policy, trainer: Any, compute: ComputeThread, env: ToolsetEnvironment,
+                tasks: list[TaskSpec], adapter: AdapterRef, work: Path, s: Settings,
+                steps: int, batch: int, in_flight: int) -> dict[str, Any]:
     """`steps` GRPO steps on `tasks` from `adapter`; the curve and the last adapter."""
     r = s.rollout
     cfg = GroupConfig(group_size=r.group_size, max_tokens=r.max_tokens,
@@ -235,11 +238,11 @@ async def _grpo(policy: Policy, trainer: Any, env: ToolsetEnvironment, tasks: li
                                  "reward_mean": round(statistics.fmean(rewards), 3)
                                  if rewards else None}
         if payloads:
-            metrics = await asyncio.to_thread(trainer.step, payloads)
+            metrics = await compute.run(trainer.step, payloads)
             trained += len(payloads)
             point["loss"] = round(metrics.get("loss", 0.0), 4)
             path = work / f"grpo{step + 1}"
-            await asyncio.to_thread(trainer.save, path)
+            await compute.run(trainer.save, path)
             new = AdapterRef("policy", 1000 + step, path)
             await policy.ensure_adapter(new)
             await policy.retire_adapter(adapter)

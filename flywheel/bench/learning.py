@@ -32,6 +32,7 @@ from flywheel.demo.samples import TOOLS, _request
 from flywheel.environments import load_environment
 from flywheel.events import GroupScoredPayload
 from flywheel.policy.base import AdapterRef
+from flywheel.policy.cores import ComputeThread
 from flywheel.rollout.loop import GroupConfig, run_group
 from flywheel.tasks import ExpectedCall, TaskSpec, ToolCallSpec
 
@@ -163,6 +164,7 @@ async def _run(steps: int, tasks_n: int, batch: int, group_size: int, max_tokens
 
     model_dir = resolve_model_dir(None)
     policy = LocalPolicy(model_dir)
+    compute = ComputeThread("flywheel-bench-trainer")  # one malloc arena for the steps
     trainer = LoRATrainer(model_dir, lora=LoRASpec(), grpo=GRPOConfig(), lr=lr)
     tasks = fixed_tasks(tasks_n)
     # Held out: requests GRPO never trains on and SFT never sees as demonstrations.
@@ -183,9 +185,9 @@ async def _run(steps: int, tasks_n: int, batch: int, group_size: int, max_tokens
                  for d in [demonstration_from_task(t, uuid.uuid4())] if d is not None]
         t = TrainerSettings()  # the trainer's warm-start batch and learning rate
         for chunk in sft_batches(demos, sft_steps, t.sft_batch, stratum=sft_stratum(t)):
-            await asyncio.to_thread(trainer.sft_step, chunk, lr=t.sft_lr)
+            await compute.run(trainer.sft_step, chunk, lr=t.sft_lr)
         trainer.reset_optimizer()  # GRPO starts with fresh moments, as in the trainer
-        await asyncio.to_thread(trainer.save, work / "sft")
+        await compute.run(trainer.save, work / "sft")
         adapter = AdapterRef("policy", 0, work / "sft")
         await policy.ensure_adapter(adapter)
         sft = {"steps": sft_steps, "demonstrations": len(demos),
@@ -208,11 +210,11 @@ async def _run(steps: int, tasks_n: int, batch: int, group_size: int, max_tokens
                     trainable=True, worker="bench"))
         if not groups:
             continue
-        metrics = await asyncio.to_thread(trainer.step, groups)
+        metrics = await compute.run(trainer.step, groups)
         trained_groups += len(groups)
         curve.append(round(metrics["reward_mean"], 3))
         path = work / f"v{step + 1}"
-        await asyncio.to_thread(trainer.save, path)
+        await compute.run(trainer.save, path)
         new = AdapterRef("policy", step + 1, path)
         await policy.ensure_adapter(new)
         if adapter is not None:
@@ -221,6 +223,7 @@ async def _run(steps: int, tasks_n: int, batch: int, group_size: int, max_tokens
     final = await _evaluate(policy, tasks, adapter, cfg)
     held_final = await _outcomes(policy, heldout, adapter, held_cfg, seed=20_000)
     await policy.close()
+    compute.close()
     held = {"start": "sft" if sft else "base",
             "start_exact_success": _share(held_start), "final_exact_success": _share(held_final),
             **paired_gain(held_start, held_final)}

@@ -32,7 +32,7 @@ from flywheel.db.deadletters import Parked
 from flywheel.db.outbox import append_events
 from flywheel.errors import InvalidRecord, failure_of, is_transient
 from flywheel.events import AdapterTrained, AdapterTrainedPayload, GroupScored
-from flywheel.policy.cores import CoreShare, run_shared
+from flywheel.policy.cores import ComputeThread, CoreShare, run_shared
 from flywheel.runtime.commits import OrderedCommits, Positioned
 from flywheel.runtime.consume import RetryPolicy, read_event, rewind, transiently
 from flywheel.trainer import store
@@ -108,6 +108,8 @@ class TrainerService:
         from flywheel.adapters.factory import artifact_store
 
         self.settings, self.engine, self.ranks = settings, engine, ranks
+        self.compute = ComputeThread("flywheel-trainer")
+        """Every step, save and model build runs on this one thread (`ComputeThread`)."""
         self.cores = CoreShare(settings.stack.cores_dir, "trainer")
         """SFT steps take this share of the cores (every core when not shared), and so do
         GRPO steps when the stack shares them (else the fixed split of the launch)."""
@@ -155,7 +157,7 @@ class TrainerService:
             resume = ref.path
         t = self.settings.trainer
         self.model_dir = resolve_model_dir(self.settings.rollout.model_dir)
-        self.trainer = await asyncio.to_thread(
+        self.trainer = await self.compute.run(
             LoRATrainer, self.model_dir, lora=LoRASpec(r=t.lora_r, alpha=t.lora_alpha),
             grpo=grpo_config(self.settings), lr=t.lr, grad_clip=t.grad_clip,
             micro_batch=t.micro_batch, resume_from=resume, precision=t.precision,
@@ -166,7 +168,7 @@ class TrainerService:
             from flywheel.trainer.distributed import Leader
 
             # The followers build the same replica and receive these weights and moments.
-            self.trainer = await asyncio.to_thread(Leader, self.trainer, self.ranks)
+            self.trainer = await self.compute.run(Leader, self.trainer, self.ranks)
         if self.version is None and self.settings.trainer.stages == "sft_then_grpo":
             await self.warm_start()
         self.status.state, self.status.detail = "waiting", None
@@ -206,7 +208,7 @@ class TrainerService:
         # idle once the baseline is in: the trainer may use every core meanwhile.
         await self._sft(demos)
         # GRPO starts with fresh optimizer moments, resumed or not (the state is published).
-        await asyncio.to_thread(self.started.reset_optimizer)
+        await self.compute.run(self.started.reset_optimizer)
         return await self.publish(None, stage="sft", demos=len(demos))
 
     async def _wait_for_baseline(self) -> dict[str, Any] | None:
@@ -228,7 +230,7 @@ class TrainerService:
         for step, batch in enumerate(sft_batches(demos, t.sft_steps, t.sft_batch,
                                                  stratum=sft_stratum(t))):
             self.status.detail = f"SFT step {step + 1}/{t.sft_steps} on {len(demos)} demos"
-            metrics = await asyncio.to_thread(run_shared, self.cores, self.started.sft_step,
+            metrics = await self.compute.run(run_shared, self.cores, self.started.sft_step,
                                               batch, lr=t.sft_lr)
             self.status.metrics = {f"sft_{k}": v for k, v in metrics.items()}
             log.info("SFT step %d/%d: loss %.4f", step + 1, t.sft_steps, metrics["loss"])
@@ -353,7 +355,7 @@ class TrainerService:
     async def _step(self, chunk: list[_Pending]) -> None:
         self.status.state, self.status.step_started_at = "training", time.monotonic()
         try:
-            metrics = await asyncio.to_thread(
+            metrics = await self.compute.run(
                 run_shared, self.cores if self.settings.stack.cores_dir else None,
                 self.started.step, [p.group for p in chunk])
         finally:
@@ -406,7 +408,7 @@ class TrainerService:
         staging = Path(tempfile.mkdtemp(prefix=f".staging-v{version}-",
                                         dir=self.store.staging_dir))
         try:
-            await asyncio.to_thread(self.started.save, staging)
+            await self.compute.run(self.started.save, staging)
             ids = [str(p.group.group_id) for p in self.trained]
             ref = await asyncio.to_thread(
                 self.store.publish, self.policy, version, staging,
