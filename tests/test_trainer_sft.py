@@ -387,3 +387,14 @@ def test_sft_batches_keep_the_share_of_what_no_stratum_balances() -> None:
     assert called_tools(answer) == "" and by(answer) is None
     assert by(_demo("0b")) == called_tools(_demo("0b")) == "get_weather"
     assert sft_stratum(SimpleNamespace(sft_balance="none")) is None  # type: ignore[arg-type]
+
+
+def test_the_warm_start_sees_its_share_of_a_large_pool() -> None:
+    from flywheel.config import TrainerSettings
+    from flywheel.trainer.sft import sft_step_count
+
+    t = TrainerSettings(sft_steps=12, sft_batch=8, sft_epochs=0.33)
+    assert sft_step_count(t, 111) == 12      # the demo's single steps: sft_steps
+    assert sft_step_count(t, 0) == 12
+    assert sft_step_count(t, 1187) == 49     # an episode pool: a third of it, 392 seen
+    assert sft_step_count(t.model_copy(update={"sft_epochs": 0.0}), 1187) == 12

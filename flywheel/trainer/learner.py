@@ -224,16 +224,17 @@ class TrainerService:
         self.status.note, self.status.detail = note, None
 
     async def _sft(self, demos: list[Demonstration]) -> None:
-        from flywheel.trainer.sft import sft_batches, sft_stratum
+        from flywheel.trainer.sft import sft_batches, sft_step_count, sft_stratum
 
         t = self.settings.trainer
-        for step, batch in enumerate(sft_batches(demos, t.sft_steps, t.sft_batch,
+        steps = sft_step_count(t, len(demos))
+        for step, batch in enumerate(sft_batches(demos, steps, t.sft_batch,
                                                  stratum=sft_stratum(t))):
-            self.status.detail = f"SFT step {step + 1}/{t.sft_steps} on {len(demos)} demos"
+            self.status.detail = f"SFT step {step + 1}/{steps} on {len(demos)} demos"
             metrics = await self.compute.run(run_shared, self.cores, self.started.sft_step,
                                               batch, lr=t.sft_lr)
             self.status.metrics = {f"sft_{k}": v for k, v in metrics.items()}
-            log.info("SFT step %d/%d: loss %.4f", step + 1, t.sft_steps, metrics["loss"])
+            log.info("SFT step %d/%d: loss %.4f", step + 1, steps, metrics["loss"])
 
     def _discard(self, version: int) -> None:
         self.store.discard(self.policy, version)

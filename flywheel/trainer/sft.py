@@ -13,6 +13,7 @@ Import this module lazily: it imports torch and transformers.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -101,6 +102,12 @@ def sft_batches(demos: Sequence[T], steps: int, batch: int, *, seed: int = 0,
                 taken[q] += 1
                 used[q] += 1
         yield out
+
+
+def sft_step_count(t: TrainerSettings, demonstrations: int) -> int:
+    """Steps of the warm start on `demonstrations`: `sft_steps`, or more where that would
+    see less than `sft_epochs` of them."""
+    return max(t.sft_steps, math.ceil(t.sft_epochs * demonstrations / t.sft_batch))
 
 
 def sft_stratum(t: TrainerSettings) -> Callable[[Demonstration], str | None] | None:
