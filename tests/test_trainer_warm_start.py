@@ -31,8 +31,8 @@ def _settings(settings: Settings, tmp_path: Path) -> Settings:
     return settings.model_copy(update={
         "rollout": settings.rollout.model_copy(update={"model_dir": resolve_model_dir(None)}),
         "trainer": settings.trainer.model_copy(update={
-            "adapters_dir": tmp_path / "adapters", "sft_steps": 2, "sft_batch": 2,
-            "lora_r": 4, "baseline_wait_s": 5.0})})
+            "adapters_dir": tmp_path / "adapters", "sft_steps": 2, "sft_epochs": 0.0,
+            "sft_batch": 2, "lora_r": 4, "baseline_wait_s": 5.0})})
 
 
 @pytest.mark.parametrize(("invalid", "success", "published"),

@@ -127,6 +127,7 @@ DEMO_ENV = {
     # +8.7 on the same pairs, promoted after 3 rounds, MDE 0.085 / 0.064). Groups of a
     # nearly perfect policy are all successes: zero advantage, nothing for GRPO to learn.
     "FLYWHEEL_TRAINER__SFT_STEPS": "8",
+    "FLYWHEEL_TRAINER__SFT_EPOCHS": "0",  # exactly those 8, whatever the pool's size
     # The warm start leaves half the request fingerprints to GRPO. Trained on every one
     # (seed 1: 21 training tasks after the validation split), SFT left GRPO only tasks it
     # had memorised: 11 of 64 groups had any advantage, two 98% tasks took 73 of 92 groups,
