@@ -530,6 +530,27 @@ class GateLifetime(_Payload):
     """The budget spent by candidates 1 … k: alpha · Σ_{j≤k} γ_j < alpha."""
 
 
+class GroupTest(_Payload):
+    """One task group's paired comparison over the pairs the test looked at
+    (`flywheel.gate.groups`): descriptive, the decision rests on the whole holdout's test."""
+
+    tasks: int
+    pairs: int
+    wins: int
+    """Pairs where only the candidate succeeded."""
+    losses: int
+    ties: int
+    gain: float
+    """(wins − losses) / pairs: the group's success-rate change on its pairs."""
+    ci_low: float | None
+    """95% bootstrap interval of `gain` over the group's tasks (None under 2 tasks)."""
+    ci_high: float | None
+    p_value: float
+    """Exact one-sided McNemar p of "no better on this group"."""
+    p_holm: float
+    """`p_value` Holm-adjusted over every group of the decision."""
+
+
 class GateDecision(_Payload):
     """What the gate's rule decided and why (`flywheel.gate.decision.decide`)."""
 
@@ -564,6 +585,8 @@ class GateDecision(_Payload):
     lifetime: GateLifetime | None = None
     """Where this candidate stands in production's false-promotion budget (None in records
     from before it was kept, and under `gate.test_only_accept`)."""
+    group_tests: dict[str, GroupTest] = Field(default_factory=dict)
+    """Each task group's paired figures (empty in records from before they were kept)."""
 
 
 class RoundTiming(_Payload):

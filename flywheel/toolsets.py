@@ -91,6 +91,13 @@ class McpStdio(_Common):
     """Extra environment of the server process (values may be `${NAME}` references)."""
     cwd: str | None = None
     sessions: Literal["process", "shared"] = "process"
+    max_starting: int | None = Field(default=None, ge=1)
+    """With `sessions="process"`: server processes one process starts at once (None: its
+    cores). Further episodes wait their turn before their server is spawned, and that wait
+    does not count against `open_timeout_s`. Starting a Python server is CPU work (~0.5 s
+    of a core for the bundled one): spawned all at once, 48 took 23 s to answer on an idle
+    2-core machine (one: 0.7 s), and on a loaded one most of a gate round's sessions
+    missed the handshake."""
 
 
 class McpHttp(_Common):

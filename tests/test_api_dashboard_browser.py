@@ -197,6 +197,13 @@ async def test_operator_approves_and_rolls_back_from_the_dashboard(
             await expect(success.locator('td[data-side="production"]')).to_have_text("75.0%")
             await expect(row.get_by_test_id("reasons").locator("li")).not_to_have_count(0)
             await expect(row.get_by_test_id("decision-power")).to_contain_text("MDE +")
+            # Each task group's paired comparison: 30 tasks × 4, 30 pairs won (75% → 100%).
+            groups = row.get_by_test_id("group-tests")
+            await expect(groups).to_contain_text("per task group: 1 group")
+            await groups.locator("summary").click()
+            one = groups.locator('tr[data-group="env:tool_call"]')
+            await expect(one).to_contain_text("+25.0 pt")
+            await expect(one.locator("td").nth(1)).to_have_text("30")
 
             # Approve: a reason is required, then production moves.
             await row.get_by_test_id("approve").click()

@@ -200,6 +200,10 @@ async def test_the_gate_judges_episodes_apart_and_shows_both_sides_turn_by_turn(
     checks = {c.name: c for c in record.checks}
     assert checks["group:kind:episode"].passed and checks["group:env:tool_call"].passed
     assert checks["canaries"].passed
+    # The episodes' paired test in the record: 6 pairs, all won (one task: no interval).
+    ep = record.group_tests["kind:episode"]
+    assert (ep.tasks, ep.pairs, ep.wins, ep.losses) == (1, 6, 6, 0)
+    assert ep.p_value == pytest.approx(1 / 64) and ep.ci_low is None
 
     # What changed: both fixed; the episode side by side, turn by turn.
     ch = record.changes

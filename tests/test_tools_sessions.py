@@ -120,6 +120,38 @@ async def test_a_server_process_per_episode(log: Path) -> None:
             os.kill(int(p.observation), 0)
 
 
+async def test_server_processes_start_one_at_a_time_and_the_wait_is_not_open_time(
+        log: Path, tmp_path: Path) -> None:
+    """5 episodes whose servers take over 1 s to start, one spawned at a time
+    (`max_starting` 1; unbounded, all 5 start at once). Each is allowed 4 s to open; they
+    take > 5 s in all and none fails: waiting for a turn is not the session's open time."""
+    starts = tmp_path / "starts.jsonl"
+    reg = await registered("notes-slow", stdio(
+        log, sessions="process", max_starting=1, open_timeout_s=4.0,
+        env={"TOOLSERVER_START_DELAY": "1.0", "TOOLSERVER_STARTS": str(starts)}))
+    runtime = ToolsetRuntime(reg)
+    assert runtime.backend.start_bound == 1  # type: ignore[attr-defined]
+    starts.unlink(missing_ok=True)  # registering started one to read its tools
+    sessions = await _open(runtime, 5)
+    await asyncio.gather(*(runtime.close_session(s) for s in sessions))
+    spans = sorted((x["began"], x["ready"]) for x in map(
+        json.loads, starts.read_text().splitlines()))
+    assert len(spans) == 5
+    assert max(sum(b <= t < r for b, r in spans) for t, _ in spans) == 1  # at once
+    assert spans[-1][1] - spans[0][0] > 5.0  # longer than any one session may take
+
+
+def test_only_per_episode_server_processes_are_bounded() -> None:
+    from flywheel.tools.mcp_backend import McpBackend
+
+    log = Path("/dev/null")
+    assert McpBackend("a", stdio(log, sessions="process")).start_bound == len(
+        os.sched_getaffinity(0))
+    assert McpBackend("b", stdio(log, sessions="process", max_starting=3)).start_bound == 3
+    assert McpBackend("c", stdio(log, sessions="shared")).start_bound is None
+    assert McpBackend("d", McpHttp(url="http://127.0.0.1:1/mcp")).start_bound is None
+
+
 async def test_a_shared_server_that_cannot_keep_episodes_apart_is_refused(log: Path) -> None:
     reg = await registered("notes-keyless", stdio(log, sessions="shared",
                                                   env={"TOOLSERVER_KEYLESS": "1"}))

@@ -67,7 +67,7 @@ async def list_evaluations(conn: AsyncConnection, policy: str, *, state: str | N
             (record->'power'->>'samples_per_task')::int AS budget_per_task,
             record->'canaries'->'checked' AS canaries_checked,
             record->'canaries'->'wrong' AS canaries_wrong,
-            record->'warnings' AS warnings,
+            record->'warnings' AS warnings, record->'group_tests' AS group_tests,
             (record->'changes'->>'fixed_count')::int AS fixed,
             (record->'changes'->>'broken_count')::int AS broken
         FROM evaluations WHERE policy = :p

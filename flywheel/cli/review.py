@@ -122,6 +122,20 @@ def hacking_lines(record: dict[str, Any]) -> list[str]:
     return lines
 
 
+def group_lines(record: dict[str, Any]) -> list[str]:
+    """`promotions show` lines of each task group's paired comparison (absent in older
+    records): wins, losses, gain with its interval, McNemar p (Holm-adjusted)."""
+    from flywheel.events import GroupTest
+    from flywheel.gate.groups import group_line
+
+    tests = record.get("group_tests") or {}
+    if not tests:
+        return []
+    return ["[bold]per task group[/bold] (paired, descriptive; the decision rests on the "
+            "whole holdout's test):",
+            *(f"  {group_line(g, GroupTest.model_validate(t))}" for g, t in tests.items())]
+
+
 def power_line(power: dict[str, Any]) -> str:
     return (f"{power['mde']:+.3f} at {power['tasks']} tasks × k = {power['samples_per_task']} "
             f"(alpha {power['alpha']}, power {power['power']:.0%}, asked to find "
@@ -192,6 +206,8 @@ def promotions_show(evaluation: str, as_json: JsonOpt = False,
                           f"task and side, {s['pairs']} pairs; stopped ({s['stop']}): "
                           f"{s['reason']}")
         console.print(f"[bold]latency guard[/bold]: measured by {record.get('latency')}")
+        for line in group_lines(record):
+            console.print(line)
         for line in hacking_lines(record):
             console.print(line)
     print_result(found, as_json)

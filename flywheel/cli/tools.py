@@ -103,6 +103,9 @@ def tools_add(
     sessions: Annotated[str, typer.Option(
         help="stdio: process (a server per episode) or shared (the reset protocol).")
     ] = "process",
+    max_starting: Annotated[int | None, typer.Option(
+        help="stdio with sessions=process: server processes started at once (default: the "
+             "cores).")] = None,
     on_divergence: Annotated[str | None, typer.Option(
         help="Replay rule off the logged path: live, end or mask.")] = None,
     allow_destructive: Annotated[ListOpt, typer.Option(
@@ -129,6 +132,8 @@ def tools_add(
         command, *args = shlex.split(mcp_stdio)
         backend = {"kind": "mcp_stdio", "command": command, "args": args,
                    "env": _pairs(env, "--env"), "sessions": sessions}
+        if max_starting is not None:
+            backend["max_starting"] = max_starting
     elif mcp_http:
         backend = {"kind": "mcp_http", "url": mcp_http, "headers": _pairs(header, "--header")}
     elif python:

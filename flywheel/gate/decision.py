@@ -28,8 +28,10 @@ from flywheel.gate.accounting import (
     missing_pairs,
     rounds_seen,
 )
+from flywheel.gate.groups import exact_mcnemar, group_tests
 
-__all__ = ["REPLY_CHARS", "Attempt", "EvalRun", "Rule", "decide", "metrics", "round_counts"]
+__all__ = ["REPLY_CHARS", "Attempt", "EvalRun", "Rule", "decide", "exact_mcnemar", "metrics",
+           "round_counts"]
 
 
 Rule = GateSettings
@@ -107,14 +109,6 @@ def mcnemar(cand: EvalRun, base: EvalRun) -> tuple[float, float]:
         wins += x.success
         losses += other
     return float(wins - losses), exact_mcnemar(wins, losses)
-
-
-def exact_mcnemar(wins: int, losses: int) -> float:
-    """One-sided exact McNemar p-value: P(X ≥ wins), X ~ Binomial(wins + losses, ½)."""
-    n = wins + losses
-    if n == 0:
-        return 1.0
-    return float(sum(math.comb(n, i) for i in range(wins, n + 1)) / 2 ** n)
 
 
 def round_counts(cand: EvalRun, base: EvalRun, round_samples: int) -> list[sequential.Counts]:
@@ -283,7 +277,8 @@ def decide(cand: EvalRun, base: EvalRun, rule: Rule,
         recommendation="incomplete" if incomplete else "reject" if failed else "promote",
         candidate=mc, baseline=mb, test=rule.test, statistic=statistic, p_value=p,
         thresholds=thresholds, checks=checks, reasons=reasons, power=record, sequential=seq,
-        latency="paired_probe" if probe else "attempts", latency_probe=probe, lifetime=spend)
+        latency="paired_probe" if probe else "attempts", latency_probe=probe, lifetime=spend,
+        group_tests=group_tests(cand, base))
 
 
 _THRESHOLDS = ("min_gain", "alpha", "power", "futility", "invalid_tolerance",

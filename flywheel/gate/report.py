@@ -110,6 +110,7 @@ def report_markdown(evaluation: dict[str, Any]) -> str:
     lines += ["", "## Checks", "", *_table(["check", "passed", "detail"], [
         [x["name"], "yes" if x["passed"] else "**NO**", x["detail"].replace("|", "\\|")]
         for x in r["checks"]])]
+    lines += _groups(r.get("group_tests") or {})
     lines += _canaries(r.get("canaries")) + _behaviour(r.get("behaviour") or {})
     gap = r.get("train_gap")
     if gap:
@@ -118,6 +119,24 @@ def report_markdown(evaluation: dict[str, Any]) -> str:
                   f"({gap['samples']} samples) vs {gap['holdout_success']:.3f} on holdout: gap "
                   f"{gap['gap']:+.3f} (warns above {gap['threshold']})"]
     return "\n".join(lines) + "\n\n" + changes_markdown(r)
+
+
+def _groups(tests: dict[str, Any]) -> list[str]:
+    if not tests:
+        return []
+
+    def ci(t: dict[str, Any]) -> str:
+        return ("—" if t["ci_low"] is None
+                else f"[{t['ci_low']:+.3f}, {t['ci_high']:+.3f}]")
+
+    return ["", "## Per task group", "",
+            "Paired over the pairs the test looked at; descriptive — the decision rests on the "
+            "whole holdout's test. Interval: bootstrap over the group's tasks; p: exact "
+            "one-sided McNemar, and Holm-adjusted over the groups.", "",
+            *_table(["group", "tasks", "pairs", "won", "lost", "gain", "95% CI", "p", "p (Holm)"],
+                    [[g, str(t["tasks"]), str(t["pairs"]), str(t["wins"]), str(t["losses"]),
+                      f"{t['gain']:+.3f}", ci(t), f"{t['p_value']:.2g}", f"{t['p_holm']:.2g}"]
+                     for g, t in tests.items()])]
 
 
 def _canaries(found: dict[str, Any] | None) -> list[str]:

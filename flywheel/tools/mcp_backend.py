@@ -2,7 +2,8 @@
 
 Sessions. Over stdio with `sessions="process"` every episode starts its own server process
 (closing the episode stops it), so no two episodes can share state whatever the server
-does. Over HTTP, and over stdio with `sessions="shared"`, one connection serves every
+does; at most `start_bound` of them start at once (`McpStdio.max_starting`). Over HTTP, and
+over stdio with `sessions="shared"`, one connection serves every
 episode of the toolset in this process, and the episodes are kept apart by the reset
 protocol (`flywheel.toolsets`): each call carries the episode's key in `_meta`, and a
 server that lists `flywheel_reset` is reset to the episode's initial state first. A shared
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from typing import Any
 
 from flywheel.tasks import RolloutNotRun
@@ -66,6 +68,19 @@ class McpBackend:
     @property
     def _per_process(self) -> bool:
         return isinstance(self.config, McpStdio) and self.config.sessions == "process"
+
+    @property
+    def start_bound(self) -> int | None:
+        """Sessions that may start at once in this process (`McpStdio.max_starting`, else
+        the cores): only per-episode server processes are bounded; None otherwise."""
+        if not isinstance(self.config, McpStdio) or self.config.sessions != "process":
+            return None
+        if self.config.max_starting is not None:
+            return self.config.max_starting
+        try:
+            return len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            return os.cpu_count() or 1
 
     async def describe(self, timeout: float) -> Described:
         conn = McpConnection(self.config)

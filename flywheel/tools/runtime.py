@@ -3,7 +3,14 @@
 A `ToolsetRuntime` is one registration with its backend and its session slots: at most
 `max_sessions` episodes are open on it at once in this process. A group's episodes take
 their slots together (`open_sessions`), first come first served: two groups that each got
-half of what they need can never wait on each other. The `Catalog` finds the runtime of a
+half of what they need can never wait on each other. A backend that spawns a server per
+session (`McpBackend.start_bound`) also bounds how many start at once: spawning is CPU
+work, and dozens started together all finish late (48 at once: 23 s on an idle 2-core
+machine, under load past the SDK's handshake); a session's wait for its turn is not
+counted in `open_timeout_s`. (Only
+the opening of an episode's session waits its turn; a live session an episode opens later
+— a replay that diverged under the rule `live`, the end-state snapshot of an episode that
+stayed on its logged path — starts at once.) The `Catalog` finds the runtime of a
 toolset by name through a resolver (the registry in Postgres for services, a fixed set in
 tests and benchmarks), keeping each for `refresh_s`: a newer version applies to episodes
 started after that, while episodes on the old one finish on it.
@@ -16,6 +23,7 @@ install theirs with `use_catalog` at start; `default_catalog` is what a plugin g
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections import deque
@@ -85,6 +93,10 @@ class ToolsetRuntime:
         self.backend = backend or make_backend(registration.name, registration.config,
                                                registration)
         self.slots = Slots(registration.config.max_sessions)
+        bound: int | None = getattr(self.backend, "start_bound", None)
+        self._starting = asyncio.Semaphore(bound) if bound else None
+        """Sessions starting at once (a backend that spawns a server per session says how
+        many); the wait for a turn is not the session's open time."""
         self.unsafe = unsafe_tools(registration)
         self.open_now = 0
 
@@ -106,7 +118,9 @@ class ToolsetRuntime:
     async def _start(self, plan: EpisodePlan) -> ToolSession | RolloutNotRun:
         session = ToolSession(self.registration, self.backend, plan, self.unsafe)
         try:
-            await asyncio.wait_for(session.start(), self.registration.config.open_timeout_s)
+            async with self._starting or contextlib.nullcontext():
+                await asyncio.wait_for(session.start(),
+                                       self.registration.config.open_timeout_s)
         except RolloutNotRun as err:
             return err
         except TimeoutError:

@@ -123,7 +123,24 @@ if not KEYLESS:
         app.tool()(protocol_tool)
 
 
+def _slow_start() -> None:
+    """`TOOLSERVER_START_DELAY` seconds before serving (a server slow to start), its start
+    and end (CLOCK_MONOTONIC, shared by the machine's processes) appended to
+    `TOOLSERVER_STARTS`."""
+    import time
+
+    delay = float(os.environ.get("TOOLSERVER_START_DELAY", "0"))
+    began = time.monotonic()
+    time.sleep(delay)
+    path = os.environ.get("TOOLSERVER_STARTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "began": began,
+                                "ready": time.monotonic()}) + "\n")
+
+
 if __name__ == "__main__":
+    _slow_start()
     if sys.argv[1:2] == ["http"]:
         app.settings.log_level = "WARNING"
         app.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
