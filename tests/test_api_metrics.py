@@ -208,6 +208,9 @@ async def test_metrics_exposition_matches_the_database(
     assert one("flywheel_gate_design_gain") == 0.1 and one("flywheel_gate_mde_warning") == 1
     assert one("flywheel_last_evaluation_samples") == 120  # v2: 30 tasks × 4
     assert 0 < one("flywheel_last_evaluation_mde") < 1
+    # Per task group, paired: 30 tasks × 4 at 0.75 → 1.0: 30 pairs won, 90 tied.
+    assert one("flywheel_last_evaluation_group_gain", group="env:tool_call") == 0.25
+    assert one("flywheel_last_evaluation_group_p_value", group="env:tool_call") == 0.5 ** 30
     # What changed: v2 succeeds wherever v1 failed, and fails nowhere.
     assert one("flywheel_last_evaluation_changed_tasks", change="fixed") > 0
     assert one("flywheel_last_evaluation_changed_tasks", change="broken") == 0

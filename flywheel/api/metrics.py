@@ -66,7 +66,7 @@ SELECT version, baseline_version, state,
        (record->'candidate'->>'success_rate')::float AS candidate,
        (record->'baseline'->>'success_rate')::float AS production,
        (record->'candidate'->>'samples')::int AS samples,
-       (record->'power'->>'mde')::float AS mde,
+       (record->'power'->>'mde')::float AS mde, record->'group_tests' AS group_tests,
        """ + COLUMNS + """
 FROM evaluations WHERE policy = :p ORDER BY created_at DESC LIMIT 1
 """)
@@ -222,8 +222,27 @@ def families(snap: dict[str, Any] | None, lag: dict[str, dict[str, Any]],
             gauge("flywheel_last_evaluation_mde",
                   "Minimum detectable gain of the newest gate evaluation (its budget, the "
                   "discordance it observed).", last["mde"])
+        out += _group_families(last.get("group_tests") or {})
         out += hacking_families(last)
     return out
+
+
+def _group_families(tests: dict[str, Any]) -> list[Metric]:
+    """Each task group's paired comparison in the newest decision (absent in older ones)."""
+    if not tests:
+        return []
+    gain = GaugeMetricFamily(
+        "flywheel_last_evaluation_group_gain", "Paired success gain of the newest gate "
+        "evaluation's candidate per task group ((wins − losses) / pairs; `kind:episode` for "
+        "episodes).", labels=["group"])
+    p = GaugeMetricFamily(
+        "flywheel_last_evaluation_group_p_value", "Exact one-sided McNemar p-value of the "
+        "newest evaluation's gain per task group (descriptive: the promotion rests on the "
+        "whole holdout's test).", labels=["group"])
+    for group, t in sorted(tests.items()):
+        gain.add_metric([group], t["gain"])
+        p.add_metric([group], t["p_value"])
+    return [gain, p]
 
 
 def _lag_families(lag: dict[str, dict[str, Any]], lag_error: str | None) -> list[Metric]:
