@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from typing import Any
+from typing import Any, cast
 
 from flywheel.tasks import RolloutNotRun
 from flywheel.tools.backend import (
@@ -73,10 +73,11 @@ class McpBackend:
     def start_bound(self) -> int | None:
         """Sessions that may start at once in this process (`McpStdio.max_starting`, else
         the cores): only per-episode server processes are bounded; None otherwise."""
-        if not isinstance(self.config, McpStdio) or self.config.sessions != "process":
+        if not self._per_process:
             return None
-        if self.config.max_starting is not None:
-            return self.config.max_starting
+        asked = cast(McpStdio, self.config).max_starting
+        if asked is not None:
+            return asked
         try:
             return len(os.sched_getaffinity(0))
         except (AttributeError, OSError):
